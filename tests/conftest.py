@@ -103,3 +103,53 @@ def trained_sft(tmp_path_factory) -> Path:
     for stage in ("prep", "base", "sft"):
         run_cli(root, "run", stage, env=env)
     return root
+
+
+# --- NeMo-RL v0.7.0 source (vendored as data in ../shared/vendor; never copied into the repo) ---
+
+VENDORED_NEMO_RL = REPO.parent / "shared" / "vendor" / "nemo-rl-v0.7.0.tar.gz"
+VENDORED_NEMO_RL_SHA256 = "80fb89422d0e2b1c9fc7b88e276e41d522815877bdd41842fdc17d2fdfe56ba6"
+
+
+def extract_nemo_rl_source() -> Path:
+    """NeMo-RL v0.7.0's source tree: ``$NEMO_RL_SRC`` if set, else the vendored archive,
+    extracted once into ``~/.cache/alignpipe/upstream/`` (keyed by its sha256).
+
+    Fails (never skips) when neither is there: CI has the archive at ../shared/vendor/.
+    """
+    import hashlib
+    import tarfile
+    import tempfile
+
+    given = os.environ.get("NEMO_RL_SRC")
+    if given:
+        src = Path(given).expanduser().resolve()
+        if not (src / "nemo_rl").is_dir() or not (src / "examples").is_dir():
+            raise AssertionError(f"NEMO_RL_SRC={given} is not a NeMo-RL checkout (no nemo_rl/ and examples/)")
+        return src
+    if not VENDORED_NEMO_RL.is_file():
+        raise AssertionError(
+            f"NeMo-RL v0.7.0 source not found: expected the vendored archive at {VENDORED_NEMO_RL} "
+            "(../shared/vendor/ beside the checkout), or NEMO_RL_SRC pointing at a v0.7.0 checkout"
+        )
+    digest = hashlib.sha256(VENDORED_NEMO_RL.read_bytes()).hexdigest()
+    if digest != VENDORED_NEMO_RL_SHA256:
+        raise AssertionError(f"{VENDORED_NEMO_RL}: sha256 {digest}, expected {VENDORED_NEMO_RL_SHA256} (v0.7.0)")
+    cache = Path(os.environ.get("ALIGNPIPE_UPSTREAM_CACHE", Path.home() / ".cache" / "alignpipe" / "upstream"))
+    dest = cache / f"nemo-rl-v0.7.0-{digest[:12]}"
+    if not (dest / "nemo-rl-v0.7.0" / "nemo_rl").is_dir():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".extract-"))
+        with tarfile.open(VENDORED_NEMO_RL) as tar:
+            tar.extractall(tmp, filter="data")
+        try:
+            tmp.rename(dest)  # atomic: a concurrent or interrupted run never sees half a tree
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+    return dest / "nemo-rl-v0.7.0"
+
+
+@pytest.fixture(scope="session")
+def nemo_rl_src() -> Path:
+    """Read-only NeMo-RL v0.7.0 source tree (``$NEMO_RL_SRC`` or the extracted vendored archive)."""
+    return extract_nemo_rl_source()
