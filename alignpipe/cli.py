@@ -11,9 +11,16 @@ from alignpipe.errors import AlignpipeError
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from alignpipe.launch.interrupt import sigterm_as_interrupt, stop_with_parent
     from alignpipe.stage import run_stage
 
-    return run_stage(C.repo_root(), args.stage, inner=args.inner, profile=args.profile, source=args.source)
+    # SIGTERM (to us, or to the dvc that started us) unwinds like Ctrl-C: launchers cancel
+    # their jobs, nothing is published, and scratch checkpoints stay for the next run.
+    stop_with_parent()
+    with sigterm_as_interrupt():
+        return run_stage(
+            C.repo_root(), args.stage, inner=args.inner, profile=args.profile, source=args.source
+        )
 
 
 def plan_files(root: Path, stage: str, profile: str | None, source: str | None = None) -> dict[str, str]:
@@ -69,7 +76,9 @@ def _cmd_params(args: argparse.Namespace) -> int:
     target = root / C.PARAMS_FILE
     if args.check:
         if not target.is_file() or target.read_text() != text:
-            print("params.yaml is out of date with conf/; run `alignpipe params` and commit it", file=sys.stderr)
+            print(
+                "params.yaml is out of date with conf/; run `alignpipe params` and commit it", file=sys.stderr
+            )
             return 1
         return 0
     target.write_text(text)
@@ -84,9 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run one stage (what dvc.yaml calls)")
     run.add_argument("stage")
     run.add_argument("--profile", help="config profile (default: params.yaml 'profile')")
-    run.add_argument("--source", help="item of a foreach stage, e.g. `convert --source dpo` (dvc.yaml: convert@dpo)")
     run.add_argument(
-        "--inner", action="store_true", help="run the engine here; set by launchers on the machine that does the work"
+        "--source", help="item of a foreach stage, e.g. `convert --source dpo` (dvc.yaml: convert@dpo)"
+    )
+    run.add_argument(
+        "--inner",
+        action="store_true",
+        help="run the engine here; set by launchers on the machine that does the work",
     )
     run.set_defaults(func=_cmd_run)
 

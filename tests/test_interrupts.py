@@ -1,0 +1,76 @@
+"""Stopping `dvc` alone (what `timeout`, CI runners and schedulers do) stops the stage too.
+
+DVC does not pass SIGTERM on to the stage it runs; `alignpipe run` asks the kernel for a
+signal when its parent dies, and unwinds like Ctrl-C: no orphan, nothing published, and
+the next `dvc repro` resumes from the scratch checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import OFFLINE, copy_repo, set_params
+
+
+def stage_processes(root: Path) -> list[psutil.Process]:
+    """Live `alignpipe` processes working in ``root``."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "cwd", "status"]):
+        info = proc.info
+        if info["status"] == psutil.STATUS_ZOMBIE or info["cwd"] != str(root):
+            continue
+        if any(part.endswith("alignpipe") for part in info["cmdline"] or []):
+            found.append(proc)
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_to_dvc_alone_stops_the_stage_and_repro_resumes(tmp_path: Path) -> None:
+    root = copy_repo(tmp_path / "repo", git=True)
+    # long enough that an orphaned trainer would still be running 10 s after dvc died
+    set_params(root, {"sft": {"sft": {"max_num_steps": 400}}})
+    cfg = root / "stages" / "sft" / "config" / "tiny.yaml"
+    cfg.write_text(cfg.read_text().replace("save_period: 50", "save_period: 10"))
+    scratch = tmp_path / "scratch"
+    env = {**os.environ, **OFFLINE, "ALIGNPIPE_SCRATCH": str(scratch)}
+
+    dvc = subprocess.Popen(
+        ["dvc", "repro", "sft"],
+        cwd=root,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while not list(scratch.glob("repo/sft/*/checkpoint-10/trainer_state.json")):
+            assert dvc.poll() is None, "dvc repro ended before sft wrote its first checkpoint"
+            assert time.monotonic() < deadline, "no sft checkpoint appeared"
+            time.sleep(0.2)
+        assert stage_processes(root), "the sft stage process should be running"
+
+        os.kill(dvc.pid, signal.SIGTERM)  # the dvc PID alone, not its process group
+        dvc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while (left := stage_processes(root)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, f"stage processes outlived dvc by 10 s: {[p.info['cmdline'] for p in left]}"
+    finally:
+        try:
+            os.killpg(dvc.pid, signal.SIGKILL)  # whatever is left in the session, if the test failed
+        except ProcessLookupError:
+            pass
+    assert not (root / "models" / "sft").exists(), "an interrupted stage must publish nothing"
+
+    resumed = subprocess.run(["dvc", "repro", "sft"], cwd=root, env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    assert (root / "models" / "sft" / "model.safetensors").is_file()
