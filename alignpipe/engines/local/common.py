@@ -306,7 +306,27 @@ def train_resumable(ctx: StageContext, trainer, live, rename: dict[str, str]) ->
     if resume is not None:
         print(f"{ctx.name}: resuming from {resume}")
         replay_history(live, rename, resume)
+        if restore_finished_run(trainer, resume):
+            return
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+
+
+def restore_finished_run(trainer, checkpoint: Path) -> bool:
+    """If ``checkpoint`` is the run's last step, load it into ``trainer`` and say so.
+
+    transformers' loop takes one more optimizer step when resumed at ``max_steps`` (it
+    checks the limit after a step), so a run killed after its final checkpoint would end
+    one step past an uninterrupted one. A finished run needs no training: its weights and
+    state are the checkpoint's.
+    """
+    from transformers import TrainerState
+
+    state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    if state.global_step < state.max_steps:
+        return False
+    trainer._load_from_checkpoint(str(checkpoint))
+    trainer.state = state
+    return True
 
 
 def clear_scratch(ctx: StageContext) -> None:
