@@ -7,6 +7,7 @@ the next `dvc repro` resumes from the scratch checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -74,3 +75,63 @@ def test_sigterm_to_dvc_alone_stops_the_stage_and_repro_resumes(tmp_path: Path) 
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resuming from" in resumed.stdout + resumed.stderr
     assert (root / "models" / "sft" / "model.safetensors").is_file()
+
+
+def _dvc(root: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(["dvc", *args], cwd=root, env=env, capture_output=True, text=True)
+
+
+@pytest.mark.slow
+def test_a_killed_stage_leaves_no_partial_metrics_and_checkout_restores_the_last_result(
+    tmp_path: Path,
+) -> None:
+    root = copy_repo(tmp_path / "repo", git=True)
+    set_params(root, {"sft": {"sft": {"max_num_steps": 40}, "checkpointing": {"save_period": 10}}})
+    scratch = tmp_path / "scratch"
+    env = {
+        **os.environ,
+        **OFFLINE,
+        "ALIGNPIPE_SCRATCH": str(scratch),
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
+    first = _dvc(root, "repro", "sft", env=env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    subprocess.run(["git", "add", "-A"], cwd=root, env=env, check=True)
+    subprocess.run(["git", "commit", "-qm", "sft"], cwd=root, env=env, check=True)
+    committed = (root / "results" / "sft" / "metrics.json").read_text()
+
+    # A new experiment, killed mid-training while DVCLive is logging every step.
+    set_params(root, {"sft": {"sft": {"max_num_steps": 400}}})
+    proc = subprocess.Popen(
+        ["dvc", "repro", "sft"],
+        cwd=root,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while not list(scratch.glob("repo/sft/*/checkpoint-10/trainer_state.json")):
+            assert proc.poll() is None, "sft ended before it could be interrupted"
+            assert time.monotonic() < deadline, "no sft checkpoint appeared"
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    # DVC removed the stage's outputs before running it; the killed run published none, so
+    # `dvc metrics show` presents the last committed result (from the cache), not step 10.
+    assert not (root / "results" / "sft").exists()
+    shown = _dvc(root, "metrics", "show", "--json", env=env)
+    assert shown.returncode == 0, shown.stderr
+    sft_metrics = json.loads(shown.stdout)[""]["data"]["results/sft/metrics.json"]["data"]
+    assert sft_metrics == json.loads(committed)
+
+    subprocess.run(["git", "checkout", "params.yaml"], cwd=root, env=env, check=True)
+    restored = _dvc(root, "checkout", "sft", env=env)  # the other stages never ran in this copy
+    assert restored.returncode == 0, restored.stdout + restored.stderr
+    assert (root / "results" / "sft" / "metrics.json").read_text() == committed

@@ -168,11 +168,26 @@ def step_budget(ctx: StageContext, algo: str, num_examples: int) -> int:
 # ----------------------------------------------------------------------------- metrics
 
 
-def open_live(ctx: StageContext, resume: bool = False):
-    """DVCLive writing into the stage's results dir, never touching dvc.yaml."""
+def open_live(ctx: StageContext):
+    """DVCLive writing into the run's scratch dir, never touching dvc.yaml.
+
+    Metrics reach the stage's results dir only through ``publish_live``: a killed run
+    never leaves a half-written metrics.json for ``dvc metrics show`` to present. The
+    curves are rebuilt from the checkpoint's history on resume (``replay_history``).
+    """
     from dvclive import Live
 
-    return Live(str(ctx.output("metrics")), dvcyaml=None, save_dvc_exp=False, resume=resume, report=None)
+    live_dir = ctx.scratch_dir / "metrics" / ctx.name  # the dir name is the stage name (timing records)
+    shutil.rmtree(live_dir, ignore_errors=True)
+    return Live(str(live_dir), dvcyaml=None, save_dvc_exp=False, report=None)
+
+
+def publish_live(ctx: StageContext, live) -> None:
+    """Close DVCLive and move its files into the stage's results dir in one rename."""
+    live.make_summary()
+    live.end()
+    with staged_dir(ctx.output("metrics")) as out:
+        shutil.copytree(live.dir, out, dirs_exist_ok=True)
 
 
 def make_live_callback(live, rename: dict[str, str]):
@@ -211,9 +226,15 @@ def record_timing(stage: str, event: str) -> None:
     import resource
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    line = json.dumps({"stage": stage, "event": event, "unix": time.time(),
-                       "since_process_start_s": round(uptime - started_ticks / os.sysconf("SC_CLK_TCK"), 2),
-                       "cpu_s": round(usage.ru_utime + usage.ru_stime, 2)})
+    line = json.dumps(
+        {
+            "stage": stage,
+            "event": event,
+            "unix": time.time(),
+            "since_process_start_s": round(uptime - started_ticks / os.sysconf("SC_CLK_TCK"), 2),
+            "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+        }
+    )
     if target == "1":
         print(f"alignpipe-timing {line}", file=sys.stderr)
     else:
@@ -233,8 +254,14 @@ def log_to_live(live, rename: dict[str, str], logs: dict[str, Any], step: int) -
         live.make_summary()
 
 
-def make_validation_callback(live, rename: dict[str, str], period: int,
-                             evaluate: Callable[[Any], dict[str, float]], *, at_start: bool = False):
+def make_validation_callback(
+    live,
+    rename: dict[str, str],
+    period: int,
+    evaluate: Callable[[Any], dict[str, float]],
+    *,
+    at_start: bool = False,
+):
     """A callback that runs ``evaluate(model)`` every ``period`` optimizer steps.
 
     For metrics the stage defines itself rather than reading TRL's log keys. Results go
@@ -345,8 +372,12 @@ def user_turn(prompt: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}]
 
 
-def preference_pairs(rows: list[dict[str, Any]], prompt_key: str = "prompt", chosen_key: str = "chosen",
-                     rejected_key: str = "rejected") -> list[dict[str, list[dict[str, str]]]]:
+def preference_pairs(
+    rows: list[dict[str, Any]],
+    prompt_key: str = "prompt",
+    chosen_key: str = "chosen",
+    rejected_key: str = "rejected",
+) -> list[dict[str, list[dict[str, str]]]]:
     """Prepared preference rows -> TRL's conversational preference format.
 
     Conversational, so the chat template wraps prompt and answers exactly as in SFT.
@@ -366,7 +397,9 @@ def preference_splits(ctx: StageContext, algo: str) -> tuple[list[dict], list[di
     """Train and validation pairs of a preference stage; validation capped at
     ``<algo>.val_batches x val_global_batch_size`` pairs (``-1``: all, as in NeMo-RL)."""
     cfg = ctx.config
-    keys = {f"{k}_key": get_path(cfg, f"data.default.{k}_key", k) or k for k in ("prompt", "chosen", "rejected")}
+    keys = {
+        f"{k}_key": get_path(cfg, f"data.default.{k}_key", k) or k for k in ("prompt", "chosen", "rejected")
+    }
     train = preference_pairs(read_jsonl(ctx.root / cfg["data"]["train"]["data_path"]), **keys)
     val_path = get_path(cfg, "data.validation.data_path")
     val = preference_pairs(read_jsonl(ctx.root / val_path), **keys) if val_path else []
@@ -385,8 +418,17 @@ def heldout_settings(ctx: StageContext) -> dict[str, Any]:
     return settings
 
 
-def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float,
-             top_p: float = 1.0, batch_size: int = 128, seed: int = 0) -> list[str]:
+def generate(
+    model,
+    tokenizer,
+    prompts: list[str],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    batch_size: int = 128,
+    seed: int = 0,
+) -> list[str]:
     """Seeded sampling (greedy when temperature is 0) of one completion per prompt."""
     import torch
 
@@ -396,7 +438,10 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, tempe
     outputs: list[str] = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
-        texts = [tokenizer.apply_chat_template(user_turn(p), tokenize=False, add_generation_prompt=True) for p in chunk]
+        texts = [
+            tokenizer.apply_chat_template(user_turn(p), tokenize=False, add_generation_prompt=True)
+            for p in chunk
+        ]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
         # Seed per batch from our own generator so results do not depend on what ran before.
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
@@ -430,8 +475,13 @@ def heldout_completions(model, tokenizer, rows: list[dict[str, Any]], settings: 
     )
 
 
-def heldout_accuracy(model, tokenizer, rows: Iterable[dict[str, Any]], settings: dict[str, Any],
-                     completions: list[str] | None = None) -> dict[str, float]:
+def heldout_accuracy(
+    model,
+    tokenizer,
+    rows: Iterable[dict[str, Any]],
+    settings: dict[str, Any],
+    completions: list[str] | None = None,
+) -> dict[str, float]:
     """Verifier accuracy of sampled answers on held-out prompts, overall and per task.
 
     The one definition every policy stage reports as ``heldout/accuracy``. ``completions``:
@@ -468,8 +518,14 @@ def log_heldout(live, ctx: StageContext, model, tokenizer) -> dict[str, float]:
 # ----------------------------------------------------------------------------- publish
 
 
-def publish_model(ctx: StageContext, output: str, model, tokenizer, metrics: dict[str, Any],
-                  extra: dict[str, Any] | None = None) -> Path:
+def publish_model(
+    ctx: StageContext,
+    output: str,
+    model,
+    tokenizer,
+    metrics: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """Save an HF directory with its manifest and resolved config, atomically."""
     final = ctx.output(output)
     with staged_dir(final) as out:

@@ -224,8 +224,7 @@ def run(ctx: StageContext) -> None:
         validation.run(model, trainer.state)
 
     heldout = common.log_heldout(live, ctx, model, tokenizer)
-    live.make_summary()
-    live.end()
+    common.publish_live(ctx, live)
     metrics = common.flat_metrics(live.summary)
     common.publish_model(ctx, "policy_out", model, tokenizer, metrics)
     common.clear_scratch(ctx)

@@ -385,8 +385,7 @@ def run_grpo(ctx: StageContext, reward_fn: RewardFn, *, data_key: str = "data.tr
     kl = kl_to_reference(policy, reference, tokenizer, rows, completions)
     live.summary.setdefault("heldout", {})["kl_to_reference"] = kl
     extra = after_training(live, policy, reference, tokenizer) if after_training else {}
-    live.make_summary()
-    live.end()
+    common.publish_live(ctx, live)
     metrics = common.flat_metrics(live.summary)
     common.publish_model(ctx, "policy_out", policy, tokenizer, metrics)
     common.clear_scratch(ctx)

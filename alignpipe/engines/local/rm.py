@@ -170,8 +170,7 @@ def run(ctx: StageContext) -> None:
     if val_pairs and get_path(cfg, "rm.val_at_end", True) and validation.last_step != trainer.state.global_step:
         validation.run(model, trainer.state)
 
-    live.make_summary()
-    live.end()
+    common.publish_live(ctx, live)
     metrics = common.flat_metrics(live.summary)
     common.publish_model(ctx, "reward_model", model, tokenizer, metrics,
                          extra={"reward_model_type": "bradley_terry"})

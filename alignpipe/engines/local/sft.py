@@ -84,8 +84,7 @@ def run(ctx: StageContext) -> None:
         model = trainer.model
 
     heldout = common.log_heldout(live, ctx, model, tokenizer)
-    live.make_summary()
-    live.end()
+    common.publish_live(ctx, live)
     metrics = common.flat_metrics(live.summary)
     common.publish_model(ctx, "policy", model, tokenizer, metrics)
     common.clear_scratch(ctx)
