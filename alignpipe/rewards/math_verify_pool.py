@@ -336,3 +336,25 @@ def verify_math_batch(
 ) -> list[float]:
     """Scores (1.0/0.0) for each (gold, prediction) pair; timeouts and crashes score 0.0."""
     return [float(r.score) for r in verify_math_detailed(golds, preds, timeout_s)]
+
+
+def gold_parses(gold: str) -> bool:
+    """Whether math-verify reads ``gold`` as math the way :func:`math_verify_one` reads golds
+    (``\\boxed{gold}``, ``LatexExtractionConfig``); text it cannot parse comes back as a bare
+    string, and then every prediction scores 0."""
+    from math_verify import parse
+    from math_verify.parser import LatexExtractionConfig
+
+    parsed = parse("\\boxed{" + str(gold) + "}", extraction_config=[LatexExtractionConfig()])
+    return any(not isinstance(p, str) for p in parsed)
+
+
+def golds_parse(golds: Sequence[str], timeout_s: float | None = None) -> list[bool]:
+    """:func:`gold_parses` for each gold, in worker processes (math-verify needs a main thread)."""
+    pool = WorkerPool(gold_parses, num_workers=1)
+    try:
+        return [
+            r.status == "ok" and r.score is True for r in pool.map([(g,) for g in golds], timeout_s, False)
+        ]
+    finally:
+        pool.shutdown()
