@@ -104,6 +104,20 @@ def test_math_gold_math_verify_cannot_parse_is_an_input_error(tmp_path):
     assert m["rows_rejected"]["total"] == 3 and m["sources"][0]["rows_kept"] == 0
 
 
+def test_gold_check_off_the_main_thread_runs_in_a_worker():
+    import threading
+
+    from alignpipe.rewards.math_verify_pool import golds_parse
+
+    worked = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72"
+    assert golds_parse(["72", worked, "\\frac{1}{2}"]) == [True, False, True]  # main thread: in process
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(golds_parse(["72", worked])))
+    t.start()
+    t.join()
+    assert out == [[True, False]]
+
+
 def test_gsm8k_row_without_marker_names_its_line(tmp_path):
     src = fix(
         "gsm8k_no_marker.jsonl",

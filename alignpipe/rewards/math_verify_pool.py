@@ -350,11 +350,25 @@ def gold_parses(gold: str) -> bool:
 
 
 def golds_parse(golds: Sequence[str], timeout_s: float | None = None) -> list[bool]:
-    """:func:`gold_parses` for each gold, in worker processes (math-verify needs a main thread)."""
+    """:func:`gold_parses` for each gold: in this process from the main thread (math-verify's
+    ``signal.alarm`` works there), else in a worker process. A gold whose parse times out does
+    not parse; a worker that crashes is an error, not a verdict on the data."""
+    if threading.current_thread() is threading.main_thread():
+        from math_verify.errors import TimeoutException
+
+        out = []
+        for g in golds:
+            try:
+                out.append(gold_parses(g))
+            except TimeoutException:
+                out.append(False)
+        return out
     pool = WorkerPool(gold_parses, num_workers=1)
     try:
-        return [
-            r.status == "ok" and r.score is True for r in pool.map([(g,) for g in golds], timeout_s, False)
-        ]
+        results = pool.map([(g,) for g in golds], timeout_s, False)
     finally:
         pool.shutdown()
+    broken = [r for r in results if r.status in ("crash", "error")]
+    if broken:
+        raise RuntimeError(f"the math gold check could not run: {broken[0].status}: {broken[0].detail}")
+    return [r.status == "ok" and r.score is True for r in results]
