@@ -180,6 +180,9 @@ PATH_OPENERS = {
     "tempfile-dir": "import tempfile\ntempfile.mkstemp(dir={D!r})\n",
     "logging-filehandler": "import logging\nlogging.FileHandler({T!r}).close()\n",
     "os-open-dir-fd": "import os\nfd = os.open({D!r}, os.O_RDONLY)\nos.close(os.open('x', os.O_WRONLY | os.O_CREAT, dir_fd=fd))\n",
+    "io-fileio": "import _io\n_io.FileIO({T!r}, 'w').close()\n",
+    "os-replace": "import os\nopen('a', 'w').close()\nos.replace('a', {T!r})\n",
+    "symlink-dir": "import os\nos.symlink({D!r}, 'link')\nopen('link/x', 'w').close()\n",
     "readline-history": "import readline\nreadline.write_history_file({T!r})\n",
     "spawnv-passfds": (
         "import os\nfrom multiprocessing.util import spawnv_passfds\n"
