@@ -194,6 +194,10 @@ def test_shard_directory_errors(tmp_path):
     (d / "a.jsonl").write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
     with pytest.raises(DataError, match="holds jsonl shards but the source says kind: parquet"):
         run(tmp_path, {**src, "kind": "parquet"})
+    (d / ".cache").mkdir()  # hidden files (e.g. huggingface_hub's .cache/) are not shards
+    (d / ".cache" / "x.parquet").write_bytes(b"PAR1")
+    _, m = run(tmp_path / "hidden", src)
+    assert m["sources"][0]["shards"] == ["a.jsonl"]
 
 
 # --------------------------------------------------------------------------- item 7: preference shapes

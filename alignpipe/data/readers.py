@@ -185,7 +185,11 @@ def _source_settings(src: dict[str, Any], index: int) -> tuple[str, str, str]:
 def shards(path: Path, where: str, kind: str) -> list[Path]:
     """The data files of a shard directory in sorted relative-path order (the order rows are read)."""
     files = sorted(
-        (p for p in path.rglob("*") if p.is_file() and not p.relative_to(path).as_posix().startswith(".")),
+        (
+            p
+            for p in path.rglob("*")
+            if p.is_file() and not any(x.startswith(".") for x in p.relative_to(path).parts)
+        ),
         key=lambda p: p.relative_to(path).as_posix(),
     )
     data = [p for p in files if p.suffix in SHARD_SUFFIXES]
