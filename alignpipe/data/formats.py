@@ -344,14 +344,14 @@ def convert(
     return {"task": task, **_rl_fields(r, src, prompt, answer, answer_field)}
 
 
-def math_gold_error(r_where: str, line: int, field: str, answer: str) -> DataError:
+def math_gold_error(where: str, line: int, field: str, answer: str) -> DataError:
     """The error for a gold answer math-verify cannot parse (so every reward would be 0)."""
     fix = "keep only the final answer in the field (e.g. '72', '\\frac{1}{2}', 'x^2+1')"
     if GSM8K_MARKER in answer:
         fix = "for GSM8K worked solutions ending '#### <answer>', set answer_format: gsm8k on the source"
     shown = answer if len(answer) <= 80 else answer[:40] + " ... " + answer[-30:]
     return DataError(
-        r_where,
+        where,
         line,
         field,
         f"gold answer {shown!r} is not an expression math-verify can parse (verifier math: every reward would be 0)",
