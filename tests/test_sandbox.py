@@ -218,6 +218,13 @@ def test_kernel_confines_writes_when_landlock_is_available(outside_dir):
     ).passed
 
 
+def test_a_row_cannot_turn_isolation_off():
+    row = code_row(filesystem="audit", network="audit", drop_privileges=False, timeout_s=3.0)
+    limits = SandboxLimits.from_row(row)
+    assert (limits.filesystem, limits.network, limits.drop_privileges) == ("auto", "auto", True)
+    assert limits.timeout_s == 3.0  # resource limits still come from the row
+
+
 def test_writes_inside_workdir_are_fine_and_workdir_is_deleted():
     code = "import os\nopen('scratch.txt', 'w').write('hi')\nos.mkdir('sub')\nopen('sub/a', 'w').write('1')\nprint(os.getcwd())\n"
     r = run_code(code, "assert open('scratch.txt').read() == 'hi'", FAST)

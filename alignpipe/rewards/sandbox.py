@@ -72,6 +72,8 @@ __all__ = [
     "score_code_batch",
 ]
 
+# SandboxLimits fields a data row may override (see SandboxLimits.from_row).
+ROW_LIMITS = ("timeout_s", "cpu_s", "memory_mb", "nproc", "fsize_mb", "nofile", "output_bytes")
 REASONS = ("ok", "failed", "error", "timeout", "memory", "killed", "network", "fs", "forbidden")
 
 
@@ -92,10 +94,14 @@ class SandboxLimits:
 
     @classmethod
     def from_row(cls, row: dict, base: SandboxLimits | None = None) -> SandboxLimits:
-        """``base`` overridden by a row's optional ``sandbox: {timeout_s: ..., ...}`` dict."""
+        """``base`` overridden by a row's optional ``sandbox: {timeout_s: ..., ...}`` dict.
+
+        A row may set resource limits only: isolation (network, filesystem, privileges) is the
+        caller's decision, never a dataset's.
+        """
         base = base or cls()
         over = row.get("sandbox") or {}
-        known = {k: v for k, v in over.items() if k in cls.__dataclass_fields__}
+        known = {k: v for k, v in over.items() if k in ROW_LIMITS}
         return replace(base, **known)
 
 
