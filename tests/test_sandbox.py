@@ -20,6 +20,7 @@ from alignpipe.rewards import score_completion, score_completions  # noqa: E402
 from alignpipe.rewards.sandbox import (  # noqa: E402
     SandboxLimits,
     extract_code,
+    filesystem_isolation_mode,
     network_isolation_mode,
     run_code,
 )
@@ -161,6 +162,67 @@ def test_write_outside_workdir_is_blocked(outside_dir):
     r = run_code(f"import os\nos.remove({target!r})\n", "assert True", FAST)
     assert r.reason == "fs" and os.path.exists(target)
     os.remove(target)
+
+
+# Libraries that open paths themselves (C code the audit hook never sees, or a process started
+# behind it) and Python-level tricks around the hook. {T}: a file in the outside dir, {D}: the dir.
+PATH_OPENERS = {
+    "sqlite3": "import sqlite3\nc = sqlite3.connect({T!r})\nc.execute('create table t(a)')\nc.commit()\n",
+    "sqlite3-attach": (
+        "import sqlite3\nc = sqlite3.connect(':memory:')\n"
+        "c.execute(\"ATTACH DATABASE '{T}' AS x\")\nc.execute('create table x.t(a)')\nc.commit()\n"
+    ),
+    "sqlite3-uri": "import sqlite3\nc = sqlite3.connect('file:{T}?mode=rwc', uri=True)\nc.execute('create table t(a)')\n",
+    "dbm": "import dbm\nd = dbm.open({T!r}, 'c')\nd[b'k'] = b'v'\nd.close()\n",
+    "shelve": "import shelve\ns = shelve.open({T!r})\ns['k'] = 1\ns.close()\n",
+    "zipfile": "import zipfile\nwith zipfile.ZipFile({T!r}, 'w') as z:\n    z.writestr('a', 'b')\n",
+    "tarfile": "import tarfile\ntarfile.open({T!r}, 'w').close()\n",
+    "tempfile-dir": "import tempfile\ntempfile.mkstemp(dir={D!r})\n",
+    "logging-filehandler": "import logging\nlogging.FileHandler({T!r}).close()\n",
+    "os-open-dir-fd": "import os\nfd = os.open({D!r}, os.O_RDONLY)\nos.close(os.open('x', os.O_WRONLY | os.O_CREAT, dir_fd=fd))\n",
+    "io-fileio": "import _io\n_io.FileIO({T!r}, 'w').close()\n",
+    "os-replace": "import os\nopen('a', 'w').close()\nos.replace('a', {T!r})\n",
+    "symlink-dir": "import os\nos.symlink({D!r}, 'link')\nopen('link/x', 'w').close()\n",
+    "readline-history": "import readline\nreadline.write_history_file({T!r})\n",
+    "spawnv-passfds": (
+        "import os\nfrom multiprocessing.util import spawnv_passfds\n"
+        "os.waitpid(spawnv_passfds(b'/bin/sh', [b'/bin/sh', b'-c', b'echo x > {T}'], []), 0)\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("filesystem", ["auto", "audit"])
+@pytest.mark.parametrize("opener", sorted(PATH_OPENERS))
+def test_libraries_that_open_paths_cannot_write_outside(outside_dir, opener, filesystem):
+    code = PATH_OPENERS[opener].format(T=os.path.join(outside_dir, "pwned.db"), D=outside_dir)
+    limits = SandboxLimits(timeout_s=30.0, cpu_s=2, memory_mb=256, nproc=16, filesystem=filesystem)
+    r = run_code(code, "assert True", limits)
+    assert os.listdir(outside_dir) == [], (r.filesystem_isolation, r.detail, r.stderr[-500:])
+    assert not r.passed and r.score == 0.0, r
+    expected = "audit-hook" if filesystem == "audit" else filesystem_isolation_mode()
+    assert r.filesystem_isolation == expected
+
+
+def test_kernel_confines_writes_when_landlock_is_available(outside_dir):
+    if not filesystem_isolation_mode().startswith("landlock"):
+        pytest.skip("no Landlock in this kernel; the audit-hook fallback is tested above")
+    # sqlite3 opens the file in C: only the kernel sees it. Swallowing the error does not write.
+    target = os.path.join(outside_dir, "pwned.db")
+    code = f"import sqlite3\ntry:\n    sqlite3.connect(':memory:').execute(\"ATTACH DATABASE '{target}' AS x\")\nexcept sqlite3.Error as e:\n    print('refused', e)\n"
+    r = run_code(code, "assert True", FAST)
+    assert os.listdir(outside_dir) == [] and "refused unable to open database" in r.stdout, r
+    # sqlite3 in the work dir and in memory still works.
+    ok = "import sqlite3\nc = sqlite3.connect('local.db')\nc.execute('create table t(a)')\nc.commit()\n"
+    assert run_code(
+        ok, "assert sqlite3.connect(':memory:').execute('select 1').fetchone() == (1,)", FAST
+    ).passed
+
+
+def test_a_row_cannot_turn_isolation_off():
+    row = code_row(filesystem="audit", network="audit", drop_privileges=False, timeout_s=3.0)
+    limits = SandboxLimits.from_row(row)
+    assert (limits.filesystem, limits.network, limits.drop_privileges) == ("auto", "auto", True)
+    assert limits.timeout_s == 3.0  # resource limits still come from the row
 
 
 def test_writes_inside_workdir_are_fine_and_workdir_is_deleted():

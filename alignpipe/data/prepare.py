@@ -9,8 +9,8 @@ from typing import Any
 from alignpipe.artifacts import md5_file
 from alignpipe.data import builtin
 from alignpipe.data.schema import FAMILIES, SCHEMA, SPLITS, canonical_json, prompt_of, row_id, with_id
-from alignpipe.data.split import SplitSpec, split_spec
-from alignpipe.errors import ConfigError
+from alignpipe.data.split import SplitSpec, normalize_prompt, split_spec
+from alignpipe.errors import ConfigError, DataError
 
 MANIFEST_NAME = "manifest.json"
 SOURCE_KINDS = ("builtin", "jsonl", "json", "parquet", "hf")
@@ -57,38 +57,91 @@ def collect(
     return rows, entries, rejected
 
 
+ORIGIN_KEYS = ("_where", "_line")  # where a source row came from; never written
+
+
+def _origin(row: dict[str, Any]) -> str:
+    return f"{row['_where']}:{row['_line']}" if "_where" in row else "builtin source"
+
+
+def split_family(
+    fam: str, rows: list[dict], split: SplitSpec
+) -> tuple[dict[str, list[tuple[dict, str]]], int]:
+    """(row with id, origin) per split, exact duplicates dropped (first occurrence kept), and their count."""
+    seen: set[str] = set()
+    by_split: dict[str, list[tuple[dict, str]]] = {s: [] for s in SPLITS}
+    dups = 0
+    for row in rows:
+        origin = _origin(row)
+        row = {k: v for k, v in row.items() if k not in ORIGIN_KEYS}
+        # Exact duplicates: same content fields, whatever task label each source gave them.
+        key = row_id(fam, {k: v for k, v in row.items() if k not in ("id", "task")})
+        if key in seen:
+            dups += 1
+            continue
+        seen.add(key)
+        row = with_id(fam, row)
+        by_split[split.assign(prompt_of(fam, row))].append((row, origin))
+    return by_split, dups
+
+
+def check_heldout_leaks(splits: dict[str, dict[str, list[tuple[dict, str]]]], limit: int = 10) -> None:
+    """Fail when a validation/test prompt of any family is in any family's train split.
+
+    Prompts are compared normalised (:func:`~alignpipe.data.split.normalize_prompt` of their
+    user turn(s)); the error names each pair: family, split, origin (file:line) and the prompt.
+    """
+    heldout: dict[str, str] = {}
+    for fam, by_split in splits.items():
+        for s in ("validation", "test"):
+            for row, origin in by_split[s]:
+                heldout.setdefault(normalize_prompt(prompt_of(fam, row)), f"{fam}/{s} ({origin})")
+    pairs = []
+    for fam, by_split in splits.items():
+        for row, origin in by_split["train"]:
+            prompt = prompt_of(fam, row)
+            other = heldout.get(normalize_prompt(prompt))
+            if other is not None:
+                pairs.append(f"{fam}/train ({origin}) and {other}: {prompt[:80]!r}")
+    if pairs:
+        more = f"\n  ... and {len(pairs) - limit} more" if len(pairs) > limit else ""
+        raise DataError(
+            "data/prepared",
+            None,
+            None,
+            f"{len(pairs)} held-out prompt(s) also in a train split:\n  " + "\n  ".join(pairs[:limit]) + more,
+            "every family must split by the normalised user turn(s) (alignpipe.data.schema.prompt_of); "
+            "report this as a bug",
+        )
+
+
+def _write_family(out_dir: Path, fam: str, by_split: dict[str, list[tuple[dict, str]]]) -> dict[str, dict]:
+    files = {}
+    (out_dir / fam).mkdir(parents=True, exist_ok=True)
+    for s in SPLITS:
+        path = out_dir / fam / f"{s}.jsonl"
+        with path.open("w", encoding="utf-8", newline="\n") as f:
+            for row in sorted((r for r, _ in by_split[s]), key=lambda r: r["id"]):
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        files[f"{fam}/{s}.jsonl"] = {"rows": len(by_split[s]), "md5": md5_file(path)}
+    return files
+
+
 def prepare(cfg: dict[str, Any], root: Path, out_dir: Path) -> dict[str, Any]:
     """Write ``<family>/<split>.jsonl`` and ``manifest.json`` into ``out_dir``; return the manifest."""
     root, out_dir = Path(root), Path(out_dir)
     split = split_spec(cfg.get("split"))
     rows, entries, rejected = collect(cfg, root, split)
 
-    counts: dict[str, dict[str, int]] = {}
-    duplicates: dict[str, int] = {}
+    splits, duplicates = {}, {}
+    for fam in FAMILIES:
+        splits[fam], duplicates[fam] = split_family(fam, rows[fam], split)
+    check_heldout_leaks(splits)
+    counts = {fam: {s: len(splits[fam][s]) for s in SPLITS} for fam in FAMILIES}
     files: dict[str, dict[str, Any]] = {}
     for fam in FAMILIES:
-        seen: set[str] = set()
-        by_split: dict[str, list[dict]] = {s: [] for s in SPLITS}
-        dups = 0
-        for row in rows[fam]:
-            # Exact duplicates: same content fields, whatever task label each source gave them.
-            key = row_id(fam, {k: v for k, v in row.items() if k not in ("id", "task")})
-            if key in seen:
-                dups += 1
-                continue
-            seen.add(key)
-            row = with_id(fam, row)
-            by_split[split.assign(prompt_of(fam, row))].append(row)
-        duplicates[fam] = dups
-        counts[fam] = {}
-        (out_dir / fam).mkdir(parents=True, exist_ok=True)
-        for s in SPLITS:
-            path = out_dir / fam / f"{s}.jsonl"
-            with path.open("w", encoding="utf-8", newline="\n") as f:
-                for row in sorted(by_split[s], key=lambda r: r["id"]):
-                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            counts[fam][s] = len(by_split[s])
-            files[f"{fam}/{s}.jsonl"] = {"rows": len(by_split[s]), "md5": md5_file(path)}
+        files.update(_write_family(out_dir, fam, splits[fam]))
+    ties = {f: sum(e.get("ties_dropped", 0) for e in entries if e.get("family") == f) for f in FAMILIES}
 
     manifest = {
         "counts": counts,
@@ -99,6 +152,7 @@ def prepare(cfg: dict[str, Any], root: Path, out_dir: Path) -> dict[str, Any]:
         "schema": SCHEMA,
         "duplicates_removed": {"total": sum(duplicates.values()), "by_family": duplicates},
         "rows_rejected": rejected,
+        "ties_dropped": {"total": sum(ties.values()), "by_family": ties},
         "heldout": "rlvr/test.jsonl",
     }
     (out_dir / MANIFEST_NAME).write_text(

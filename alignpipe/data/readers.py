@@ -1,16 +1,10 @@
-"""Source readers (JSONL, JSON array, Parquet, Hugging Face datasets) and NeMo-RL format conversion.
+"""Source readers (JSONL, JSON array, Parquet, shard directories, Hugging Face datasets).
 
-A file source (``kind: jsonl|json|parquet``) or Hugging Face source (``kind: hf``) yields records
-with their 1-based line (JSONL/JSON) or row (Parquet/HF) number; each record is converted from
-its NeMo-RL format into a prepared row of the source's family and validated. Every problem is a
+A file source (``kind: jsonl|json|parquet``; ``path`` a file or a directory of shards) or a
+Hugging Face source (``kind: hf``) yields records with their file and 1-based line (JSONL/JSON)
+or row (Parquet/HF) number; :mod:`alignpipe.data.formats` converts each record from its NeMo-RL
+format into a prepared row of the source's family. Every problem is a
 :class:`~alignpipe.errors.DataError` naming the file, line and field and how to fix it.
-
-Formats (``format:``) and the families they can feed (``family:``):
-
-* ``binary_preference`` (BinaryPreferenceDataset: ``prompt_key``/``chosen_key``/``rejected_key``) -> preference
-* ``preference`` (PreferenceDataset: ``context`` messages + exactly two ``completions`` with ``rank``) -> preference
-* ``response`` (ResponseDataset: ``input_key``/``output_key``, default ``input``/``output``) -> sft, rlvr, rlhf
-* ``messages`` (OpenAI ``messages``) -> sft, rlvr, rlhf
 """
 
 from __future__ import annotations
@@ -21,19 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from alignpipe.artifacts import dvc_hash
-from alignpipe.data.schema import FAMILIES, VERIFIERS
+from alignpipe.data.formats import ANSWER_FORMATS, FORMATS, SourceRecord, convert, math_gold_error
+from alignpipe.data.schema import FAMILIES
 from alignpipe.errors import ConfigError, DataError
 
 FILE_KINDS = ("jsonl", "json", "parquet")
-FORMATS: dict[str, tuple[str, ...]] = {
-    "binary_preference": ("preference",),
-    "preference": ("preference",),
-    "response": ("sft", "rlvr", "rlhf"),
-    "messages": ("sft", "rlvr", "rlhf"),
-}
-ROLES = ("system", "user", "assistant", "tool")
-
-Record = tuple[int, Any]  # (1-based line or row number, parsed record)
+SHARD_SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 
 
 # --------------------------------------------------------------------------- readers
@@ -167,220 +154,6 @@ def load_hf(src: dict[str, Any], root: Path, where: str):
     return ds, (local if local.exists() else None)
 
 
-# --------------------------------------------------------------------------- conversion
-
-
-class _Row:
-    """Field checks that name the source's own key in errors."""
-
-    def __init__(self, where: str, line: int, rec: Any):
-        self.where, self.line, self.rec = where, line, rec
-        if not isinstance(rec, dict):
-            raise DataError(
-                where,
-                line,
-                None,
-                f"expected a JSON object, found {type(rec).__name__}",
-                "one object per record",
-            )
-
-    def fail(self, field: str | None, problem: str, fix: str = "") -> DataError:
-        return DataError(self.where, self.line, field, problem, fix)
-
-    def get(self, key: str, required: bool = True) -> Any:
-        if key not in self.rec or self.rec[key] is None:
-            if not required:
-                return None
-            have = ", ".join(sorted(map(str, self.rec))) or "none"
-            raise self.fail(
-                key, f"is missing (record has: {have})", f"add '{key}', or set the source's key option"
-            )
-        return self.rec[key]
-
-    def text(self, key: str, value: Any = None, role: str = "assistant") -> str:
-        """A non-empty string; a message list is accepted when it is a single turn of ``role``."""
-        value = self.get(key) if value is None else value
-        if isinstance(value, list):
-            msgs = self.messages(key, value)
-            if len(msgs) != 1 or msgs[0]["role"] != role:
-                raise self.fail(
-                    key,
-                    f"must be a string or a single '{role}' message, found {len(msgs)} message(s)",
-                    "flatten multi-turn conversations to one turn",
-                )
-            value = msgs[0]["content"]
-        if not isinstance(value, str):
-            raise self.fail(
-                key, f"must be a string, found {type(value).__name__}", "store text as a JSON string"
-            )
-        if not value.strip():
-            raise self.fail(key, "is empty", "drop the record or fill the field")
-        return value
-
-    def messages(self, key: str, value: Any = None) -> list[dict[str, str]]:
-        value = self.get(key) if value is None else value
-        if not isinstance(value, list) or not value:
-            raise self.fail(
-                key, "must be a non-empty list of {role, content} messages", "use OpenAI chat format"
-            )
-        out = []
-        for j, m in enumerate(value):
-            if (
-                not isinstance(m, dict)
-                or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
-            ):
-                raise self.fail(
-                    f"{key}[{j}]",
-                    "must be an object with string 'role' and 'content'",
-                    "use OpenAI chat format",
-                )
-            if m["role"] not in ROLES:
-                raise self.fail(
-                    f"{key}[{j}].role", f"unknown role '{m['role']}'", f"use one of {', '.join(ROLES)}"
-                )
-            if not m["content"].strip():
-                raise self.fail(f"{key}[{j}].content", "is empty", "drop the message or fill it")
-            out.append({"role": m["role"], "content": m["content"]})
-        return out
-
-    def prompt_from(self, key: str, msgs: list[dict[str, str]]) -> str:
-        if len(msgs) != 1 or msgs[0]["role"] != "user":
-            raise self.fail(
-                key,
-                f"the prompt must be a single user turn for this family, found {len(msgs)} message(s)",
-                "use a string prompt or one user message",
-            )
-        return msgs[0]["content"]
-
-
-def _task(r: _Row, src: dict[str, Any], default: str) -> str:
-    key = src.get("task_key", "task")
-    value = r.rec.get(key)
-    if value is None:
-        return str(src.get("task") or default)
-    if not isinstance(value, str) or not value.strip():
-        raise r.fail(key, "must be a non-empty string", "name the task (e.g. 'sort') or drop the field")
-    return value
-
-
-def _rl_fields(r: _Row, src: dict[str, Any], prompt: str, answer: str, answer_field: str) -> dict[str, Any]:
-    vkey = src.get("verifier_key", "verifier")
-    verifier = r.rec.get(vkey, src.get("verifier"))
-    if verifier is None:
-        raise r.fail(
-            vkey,
-            "is missing: RLVR/RLHF rows need a verifier",
-            f"add '{vkey}' ({'/'.join(VERIFIERS)}) to each row, or set `verifier:` on the source",
-        )
-    if verifier not in VERIFIERS:
-        raise r.fail(vkey, f"unknown verifier {verifier!r}", f"use one of {', '.join(VERIFIERS)}")
-    row: dict[str, Any] = {"prompt": prompt, "answer": answer, "verifier": verifier}
-    if verifier == "numeric":
-        try:
-            from alignpipe.rewards.verifiers import parse_number
-        except ImportError:  # pragma: no cover - rewards is part of the package
-            parse_number = None
-        if parse_number is not None and parse_number(answer) is None:
-            raise r.fail(
-                answer_field,
-                f"answer {answer!r} is not a number (verifier numeric)",
-                "fix it or use verifier exact",
-            )
-    tkey = src.get("tests_key", "tests")
-    tests = r.rec.get(tkey)
-    if verifier == "code" or tests is not None:
-        if tests is None:
-            raise r.fail(
-                tkey,
-                "is missing: verifier 'code' needs tests",
-                f"add '{tkey}': a list of Python assert strings",
-            )
-        if isinstance(tests, str):
-            tests = [tests]
-        if (
-            not isinstance(tests, list)
-            or not tests
-            or not all(isinstance(t, str) and t.strip() for t in tests)
-        ):
-            raise r.fail(
-                tkey, "must be a non-empty list of non-empty strings (Python asserts)", "fix the tests"
-            )
-        row["tests"] = tests
-    return row
-
-
-def convert(fmt: str, family: str, src: dict[str, Any], r: _Row, default_task: str) -> dict[str, Any]:
-    """One source record -> one prepared row (without id) of ``family``."""
-    task = _task(r, src, default_task)
-    if fmt == "binary_preference":
-        pk, ck, rk = (
-            src.get("prompt_key", "prompt"),
-            src.get("chosen_key", "chosen"),
-            src.get("rejected_key", "rejected"),
-        )
-        prompt = r.text(pk, role="user")
-        chosen, rejected = r.text(ck), r.text(rk)
-        if chosen == rejected:
-            raise r.fail(rk, "is identical to the chosen response", "drop the pair: it carries no preference")
-        return {"task": task, "prompt": prompt, "chosen": chosen, "rejected": rejected}
-    if fmt == "preference":
-        xk, ck = src.get("context_key", "context"), src.get("completions_key", "completions")
-        ctx = r.get(xk)
-        prompt = r.text(xk, role="user") if isinstance(ctx, str) else r.prompt_from(xk, r.messages(xk))
-        comps = r.get(ck)
-        if not isinstance(comps, list) or len(comps) != 2:
-            n = len(comps) if isinstance(comps, list) else type(comps).__name__
-            raise r.fail(
-                ck, f"must hold exactly two completions, found {n}", "keep one preferred and one rejected"
-            )
-        ranked = []
-        for j, c in enumerate(comps):
-            if not isinstance(c, dict) or "completion" not in c:
-                raise r.fail(
-                    f"{ck}[{j}]",
-                    "must be an object with 'rank' and 'completion'",
-                    "see NeMo-RL PreferenceDataset",
-                )
-            rank = c.get("rank")
-            if isinstance(rank, bool) or not isinstance(rank, int | float):
-                raise r.fail(f"{ck}[{j}].rank", f"must be a number, found {rank!r}", "lower rank = preferred")
-            ranked.append((rank, r.text(f"{ck}[{j}].completion", c["completion"])))
-        if ranked[0][0] == ranked[1][0]:
-            raise r.fail(
-                f"{ck}[1].rank",
-                f"ties rank {ranked[0][0]} of completions[0]",
-                "give the preferred one the lower rank",
-            )
-        (_, chosen), (_, rejected) = sorted(ranked, key=lambda t: t[0])
-        if chosen == rejected:
-            raise r.fail(ck, "both completions are identical", "drop the pair: it carries no preference")
-        return {"task": task, "prompt": prompt, "chosen": chosen, "rejected": rejected}
-
-    # response / messages -> sft, rlvr, rlhf
-    if fmt == "messages" or (fmt == "response" and src.get("messages_key", "messages") in r.rec):
-        mk = src.get("messages_key", "messages")
-        msgs = r.messages(mk)
-        if msgs[-1]["role"] != "assistant" or not any(m["role"] == "user" for m in msgs):
-            raise r.fail(
-                mk, "must contain a user turn and end with an assistant turn", "append the assistant reply"
-            )
-        if family == "sft":
-            return {"task": task, "messages": msgs}
-        prompt, answer = r.prompt_from(mk, msgs[:-1]), msgs[-1]["content"]
-        answer_field = f"{mk}[{len(msgs) - 1}].content"
-    else:
-        ik, ok = src.get("input_key", "input"), src.get("output_key", "output")
-        prompt, answer = r.text(ik), r.text(ok)
-        answer_field = ok
-        if family == "sft":
-            return {
-                "task": task,
-                "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}],
-            }
-    return {"task": task, **_rl_fields(r, src, prompt, answer, answer_field)}
-
-
 # --------------------------------------------------------------------------- sources
 
 
@@ -398,67 +171,188 @@ def _source_settings(src: dict[str, Any], index: int) -> tuple[str, str, str]:
     on_invalid = src.get("on_invalid", "error")
     if on_invalid not in ("error", "skip"):
         raise ConfigError(f"{label}: 'on_invalid' is {on_invalid!r}; use error (default) or skip")
+    answer_format = src.get("answer_format", "text")
+    if answer_format not in ANSWER_FORMATS:
+        raise ConfigError(
+            f"{label}: 'answer_format' is {answer_format!r}; use one of {', '.join(ANSWER_FORMATS)}"
+        )
     columns = src.get("columns")
     if columns is not None and not isinstance(columns, dict):
         raise ConfigError(f"{label}: 'columns' must map source column -> field name")
     return kind, family, fmt
 
 
-def read_source(
-    src: dict[str, Any], index: int, root: Path
-) -> tuple[str, list[dict[str, Any]], dict[str, Any], list[DataError]]:
-    """Rows (without ids) of one file/HF source, its manifest entry, and rows it skipped."""
-    kind, family, fmt = _source_settings(src, index)
-    entry: dict[str, Any] = {"kind": kind, "family": family, "format": fmt}
-    if kind in FILE_KINDS:
-        if not src.get("path"):
-            raise ConfigError(
-                f"prep config: sources[{index}] ({kind}) needs a 'path' (relative to the repo root)"
-            )
-        path = Path(src["path"])
-        path = path if path.is_absolute() else root / path
-        where = str(src["path"])
-        if not path.is_file():
-            raise DataError(
-                where, None, None, f"does not exist (looked for {path})", f"fix sources[{index}].path"
-            )
-        records = {"jsonl": read_jsonl, "json": read_json, "parquet": read_parquet}[kind](path, where)
-        entry.update(path=where, md5=dvc_hash(path))
-        default_task = path.stem
-    elif kind == "hf":
-        if not src.get("name"):
-            raise ConfigError(
-                f"prep config: sources[{index}] (hf) needs a 'name' (hub id or local directory)"
-            )
-        where = f"hf:{src['name']}[{src.get('split') or 'train'}]"
-        ds, local = load_hf(src, root, where)
-        records = enumerate(ds, 1)
-        entry.update(
-            name=str(src["name"]),
-            config=src.get("config"),
-            split=src.get("split") or "train",
-            md5=dvc_hash(local) if local is not None else None,
-            fingerprint=getattr(ds, "_fingerprint", None),
+def shards(path: Path, where: str, kind: str) -> list[Path]:
+    """The data files of a shard directory in sorted relative-path order (the order rows are read)."""
+    files = sorted(
+        (
+            p
+            for p in path.rglob("*")
+            if p.is_file() and not any(x.startswith(".") for x in p.relative_to(path).parts)
+        ),
+        key=lambda p: p.relative_to(path).as_posix(),
+    )
+    data = [p for p in files if p.suffix in SHARD_SUFFIXES]
+    found = sorted({SHARD_SUFFIXES[p.suffix] for p in data})
+    if not data:
+        names = ", ".join(p.name for p in files[:5]) or "nothing"
+        raise DataError(
+            where,
+            None,
+            None,
+            f"is a directory with no .jsonl, .json or .parquet shards (found: {names})",
+            "put the shards in it, or point path at one data file",
         )
-        default_task = Path(str(src["name"])).name
-    else:  # pragma: no cover - prepare.collect dispatches only these kinds
-        raise ConfigError(f"prep config: sources[{index}].kind '{kind}' is not a file or hf source")
+    if len(found) > 1:
+        raise DataError(
+            where,
+            None,
+            None,
+            f"is a directory that mixes shard formats ({', '.join(found)})",
+            "keep one format per directory and give each its own source",
+        )
+    if found[0] != kind:
+        raise DataError(
+            where,
+            None,
+            None,
+            f"holds {found[0]} shards but the source says kind: {kind}",
+            f"set kind: {found[0]}",
+        )
+    return data
+
+
+def _file_records(
+    src: dict[str, Any], index: int, root: Path, kind: str, entry: dict
+) -> tuple[Iterator, str]:
+    """Records of a file source (a file, or every shard of a directory in order), and its default task."""
+    if not src.get("path"):
+        raise ConfigError(
+            f"prep config: sources[{index}] ({kind}) needs a 'path' (relative to the repo root)"
+        )
+    path = Path(src["path"])
+    path = path if path.is_absolute() else root / path
+    where = str(src["path"])
+    if path.is_dir():
+        files = shards(path, where, kind)
+        entry["shards"] = [p.relative_to(path).as_posix() for p in files]
+        named = [(p, f"{where.rstrip('/')}/{p.relative_to(path).as_posix()}") for p in files]
+    elif path.is_file():
+        named = [(path, where)]
+    else:
+        raise DataError(
+            where, None, None, f"does not exist (looked for {path})", f"fix sources[{index}].path"
+        )
+    entry.update(path=where, md5=dvc_hash(path))
+    reader = {"jsonl": read_jsonl, "json": read_json, "parquet": read_parquet}[kind]
+
+    def records() -> Iterator:
+        for file, name in named:
+            for item in reader(file, name):
+                yield item if isinstance(item, DataError) else (name, *item)
+
+    return records(), path.stem if path.is_file() else path.name
+
+
+def _hf_records(src: dict[str, Any], index: int, root: Path, entry: dict) -> tuple[Iterator, str]:
+    if not src.get("name"):
+        raise ConfigError(f"prep config: sources[{index}] (hf) needs a 'name' (hub id or local directory)")
+    where = f"hf:{src['name']}[{src.get('split') or 'train'}]"
+    ds, local = load_hf(src, root, where)
+    entry.update(
+        name=str(src["name"]),
+        config=src.get("config"),
+        split=src.get("split") or "train",
+        md5=dvc_hash(local) if local is not None else None,
+        fingerprint=getattr(ds, "_fingerprint", None),
+    )
+    return ((where, i, rec) for i, rec in enumerate(ds, 1)), Path(str(src["name"])).name
+
+
+def _convert_records(
+    records: Iterator, src: dict[str, Any], fmt: str, family: str, default_task: str
+) -> tuple[list[dict[str, Any]], list[DataError], int, int]:
+    """Rows (with ``_where``/``_line``), the skipped records' errors, records read, ties dropped."""
     columns = src.get("columns") or {}
+    skip = src.get("on_invalid", "error") == "skip"
     rows: list[dict[str, Any]] = []
     bad: list[DataError] = []
-    read = 0
+    read = ties = 0
     for item in records:
         read += 1
         try:
             if isinstance(item, DataError):
                 raise item
-            line, rec = item
+            where, line, rec = item
             if columns and isinstance(rec, dict):
                 rec = {columns.get(k, k): v for k, v in rec.items()}
-            rows.append(convert(fmt, family, src, _Row(where, line, rec), default_task))
+            row = convert(fmt, family, src, SourceRecord(where, line, rec), default_task)
         except DataError as err:
-            if src.get("on_invalid", "error") != "skip":
+            if not skip:
                 raise
             bad.append(err)
+            continue
+        if row is None:
+            ties += 1
+            continue
+        rows.append({**row, "_where": where, "_line": line})
+    return rows, bad, read, ties
+
+
+def check_math_golds(rows: list[dict[str, Any]], skip: bool) -> tuple[list[dict[str, Any]], list[DataError]]:
+    """Rows whose ``math`` gold answer math-verify parses, and errors for the others.
+
+    The check is math-verify's own gold parsing as the ``math`` verifier does it
+    (:func:`alignpipe.rewards.math_verify_pool.gold_parses`): a gold it cannot parse scores
+    every completion 0, so it is an input error, not a silent run.
+    """
+    golds = [r for r in rows if r.get("verifier") == "math"]
+    if not golds:
+        return rows, []
+    from alignpipe.rewards.math_verify_pool import golds_parse
+
+    failed = {id(r) for r, ok in zip(golds, golds_parse([r["answer"] for r in golds]), strict=True) if not ok}
+    kept, bad = [], []
+    for r in rows:
+        if id(r) in failed:
+            err = math_gold_error(r["_where"], r["_line"], r["_answer_field"], r["answer"])
+            if not skip:
+                raise err
+            bad.append(err)
+        else:
+            kept.append(r)
+    return kept, bad
+
+
+def read_source(
+    src: dict[str, Any], index: int, root: Path
+) -> tuple[str, list[dict[str, Any]], dict[str, Any], list[DataError]]:
+    """Rows (without ids; ``_where``/``_line`` say where each came from) of one file/HF source,
+    its manifest entry, and the records it skipped."""
+    kind, family, fmt = _source_settings(src, index)
+    entry: dict[str, Any] = {"kind": kind, "family": family, "format": fmt}
+    if kind in FILE_KINDS:
+        records, default_task = _file_records(src, index, root, kind, entry)
+        where = str(src["path"])
+    elif kind == "hf":
+        records, default_task = _hf_records(src, index, root, entry)
+        where = f"hf:{src['name']}[{src.get('split') or 'train'}]"
+    else:  # pragma: no cover - prepare.collect dispatches only these kinds
+        raise ConfigError(f"prep config: sources[{index}].kind '{kind}' is not a file or hf source")
+    rows, bad, read, ties = _convert_records(records, src, fmt, family, default_task)
+    if read == 0:
+        raise DataError(
+            where,
+            None,
+            None,
+            "holds no records" + (f" in its {len(entry['shards'])} shard(s)" if "shards" in entry else ""),
+            f"fill it, or remove sources[{index}] from the prep config",
+        )
+    rows, bad_golds = check_math_golds(rows, src.get("on_invalid", "error") == "skip")
+    bad.extend(bad_golds)
+    for r in rows:
+        r.pop("_answer_field", None)
     entry.update(rows_read=read, rows_kept=len(rows), rows_rejected=len(bad))
+    if fmt == "helpsteer3":
+        entry["ties_dropped"] = ties
     return family, rows, entry, bad

@@ -47,11 +47,11 @@ def with_id(family: str, row: dict[str, Any]) -> dict[str, Any]:
 
 
 def prompt_of(family: str, row: dict[str, Any]) -> str:
-    """The prompt a row is keyed by for splitting: the user turn(s) for sft, ``prompt`` otherwise."""
+    """The prompt a row is keyed by for splitting: its user turn(s) in every family.
+
+    ``prompt`` for preference/rlvr/rlhf; for sft the user turns of ``messages`` (joined by a
+    newline), so a system turn or earlier assistant turns never move a prompt to another split.
+    """
     if family == "sft":
-        msgs = row["messages"]
-        turns = msgs[:-1] if msgs and msgs[-1].get("role") == "assistant" else msgs
-        if len(turns) == 1 and turns[0].get("role") == "user":
-            return turns[0]["content"]
-        return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in turns)
+        return "\n".join(m["content"] for m in row["messages"] if m.get("role") == "user")
     return row["prompt"]

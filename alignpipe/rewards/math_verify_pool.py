@@ -336,3 +336,39 @@ def verify_math_batch(
 ) -> list[float]:
     """Scores (1.0/0.0) for each (gold, prediction) pair; timeouts and crashes score 0.0."""
     return [float(r.score) for r in verify_math_detailed(golds, preds, timeout_s)]
+
+
+def gold_parses(gold: str) -> bool:
+    """Whether math-verify reads ``gold`` as math the way :func:`math_verify_one` reads golds
+    (``\\boxed{gold}``, ``LatexExtractionConfig``); text it cannot parse comes back as a bare
+    string, and then every prediction scores 0."""
+    from math_verify import parse
+    from math_verify.parser import LatexExtractionConfig
+
+    parsed = parse("\\boxed{" + str(gold) + "}", extraction_config=[LatexExtractionConfig()])
+    return any(not isinstance(p, str) for p in parsed)
+
+
+def golds_parse(golds: Sequence[str], timeout_s: float | None = None) -> list[bool]:
+    """:func:`gold_parses` for each gold: in this process from the main thread (math-verify's
+    ``signal.alarm`` works there), else in a worker process. A gold whose parse times out does
+    not parse; a worker that crashes is an error, not a verdict on the data."""
+    if threading.current_thread() is threading.main_thread():
+        from math_verify.errors import TimeoutException
+
+        out = []
+        for g in golds:
+            try:
+                out.append(gold_parses(g))
+            except TimeoutException:
+                out.append(False)
+        return out
+    pool = WorkerPool(gold_parses, num_workers=1)
+    try:
+        results = pool.map([(g,) for g in golds], timeout_s, False)
+    finally:
+        pool.shutdown()
+    broken = [r for r in results if r.status in ("crash", "error")]
+    if broken:
+        raise RuntimeError(f"the math gold check could not run: {broken[0].status}: {broken[0].detail}")
+    return [r.status == "ok" and r.score is True for r in results]

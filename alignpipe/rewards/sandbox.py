@@ -18,8 +18,18 @@ Each run:
 * no network: a new network namespace (``unshare(CLONE_NEWNET)``; only a down loopback
   inside) when the kernel allows it, else an audit hook that blocks ``socket.connect``/
   ``bind``/``sendto``/name lookups. :attr:`SandboxResult.network_isolation` says which;
+* writes confined to the work dir by the kernel where it has Landlock (Linux >= 5.13;
+  :mod:`alignpipe.rewards.landlock`): every open-for-write, mkdir, unlink, rename, link or
+  truncate outside it fails with EACCES, whoever asks (C libraries such as sqlite3 or dbm, a
+  process started behind the audit hook, a ``dir_fd`` trick), in every child and after ``exec``.
+  :attr:`SandboxResult.filesystem_isolation` says whether it applied;
 * an audit hook that rejects opening files for writing (and remove/rename/mkdir/chmod/...)
-  outside the work dir, and any ``exec``/``subprocess``/``os.system``/``ctypes`` use;
+  outside the work dir, and any ``exec``/``subprocess``/``os.system``/``ctypes`` use, so an
+  attempt scores 0 even when the program swallows the error. Without Landlock it is the only
+  guard, and it sees Python-level opens only: it then also refuses modules that open paths in
+  C (``sqlite3``, ``dbm.gnu``/``dbm.ndbm``, ``readline``) and directory handles outside the
+  work dir (``dir_fd``). ``_posixsubprocess.fork_exec`` (under ``subprocess`` and
+  ``multiprocessing.util.spawnv_passfds``) raises no audit event, so it is replaced by a refusal;
 * a wall-clock timeout that kills the whole process group, then any straggler that carries
   the run's token in its environment (escaped with ``setsid``);
 * stdout/stderr read up to a cap (the rest is drained and dropped).
@@ -49,16 +59,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from alignpipe.rewards.landlock import WriteConfinement, abi_version
+
 __all__ = [
     "SandboxLimits",
     "SandboxResult",
     "extract_code",
+    "filesystem_isolation_mode",
     "network_isolation_mode",
     "run_code",
     "score_code",
     "score_code_batch",
 ]
 
+# SandboxLimits fields a data row may override (see SandboxLimits.from_row).
+ROW_LIMITS = ("timeout_s", "cpu_s", "memory_mb", "nproc", "fsize_mb", "nofile", "output_bytes")
 REASONS = ("ok", "failed", "error", "timeout", "memory", "killed", "network", "fs", "forbidden")
 
 
@@ -74,14 +89,19 @@ class SandboxLimits:
     nofile: int = 64  # RLIMIT_NOFILE
     output_bytes: int = 64 * 1024  # stdout and stderr each, read at most this much
     network: str = "auto"  # "auto" (netns if possible), "netns", or "audit"
+    filesystem: str = "auto"  # "auto" (Landlock if possible), "landlock", or "audit"
     drop_privileges: bool = True  # when root: run as an unprivileged uid
 
     @classmethod
     def from_row(cls, row: dict, base: SandboxLimits | None = None) -> SandboxLimits:
-        """``base`` overridden by a row's optional ``sandbox: {timeout_s: ..., ...}`` dict."""
+        """``base`` overridden by a row's optional ``sandbox: {timeout_s: ..., ...}`` dict.
+
+        A row may set resource limits only: isolation (network, filesystem, privileges) is the
+        caller's decision, never a dataset's.
+        """
         base = base or cls()
         over = row.get("sandbox") or {}
-        known = {k: v for k, v in over.items() if k in cls.__dataclass_fields__}
+        known = {k: v for k, v in over.items() if k in ROW_LIMITS}
         return replace(base, **known)
 
 
@@ -97,6 +117,7 @@ class SandboxResult:
     returncode: int | None = None
     duration_s: float = 0.0
     network_isolation: str = ""  # "netns" or "audit-hook"
+    filesystem_isolation: str = ""  # "landlock (ABI n)" or "audit-hook"
     run_as: str = ""  # "uid 61234" or "caller (uid N)"
     violations: list[str] = field(default_factory=list)
 
@@ -116,6 +137,11 @@ _HARNESS = r"""
 import os, sys, json, signal
 _status_fd = int(sys.argv[1])
 _net_block = sys.argv[2] == "block"
+# "kernel": Landlock refuses every write outside the work dir, whoever opens the path. "hook":
+# this hook is all there is, and it sees Python-level opens only, so modules that open paths
+# in C are refused.
+_fs_kernel = sys.argv[4] == "kernel"
+_C_OPENERS = {"_sqlite3", "_dbm", "_gdbm", "readline"}
 if sys.argv[3] == "pidns":
     # We were started after unshare(CLONE_NEWPID): our first child is PID 1 of a fresh PID
     # namespace. It runs the code; when it dies the kernel kills and reaps everything left in
@@ -148,7 +174,8 @@ _PATH_EVENTS = {
     "os.link": (0, 1), "os.symlink": (1,), "os.chmod": (0,), "os.chown": (0,),
     "os.truncate": (0,), "os.utime": (0,), "os.chflags": (0,), "os.lchown": (0,),
     "os.mkfifo": (0,), "os.mknod": (0,), "shutil.rmtree": (0,), "shutil.move": (0, 1),
-    "shutil.copyfile": (1,), "shutil.copytree": (1,),
+    "shutil.copyfile": (1,), "shutil.copytree": (1,), "os.setxattr": (0,), "os.removexattr": (0,),
+    "sqlite3.connect": (0,),
 }
 _NET_EVENTS = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",
                "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr",
@@ -187,6 +214,13 @@ def _hook(event, args):
                 isinstance(flags, int) and flags & _WRITE_FLAGS)
             if writing and _outside(path):
                 _violate("fs", "write to %r" % (path,))
+            if not _fs_kernel and _outside(path) and os.path.isdir(path):
+                # a directory fd lets os.open(name, dir_fd=fd) write there unseen
+                _violate("fs", "directory handle on %r" % (path,))
+        elif event == "import" and not _fs_kernel and args[0] in _C_OPENERS:
+            _violate("forbidden", "import %s (opens files in C; no Landlock here)" % args[0])
+        elif event == "import" and args[0] == "_posixsubprocess":  # a fresh copy of fork_exec
+            _violate("forbidden", "re-import of _posixsubprocess")
         elif event in _PATH_EVENTS:
             for i in _PATH_EVENTS[event]:
                 if i < len(args) and _outside(args[i]):
@@ -212,6 +246,12 @@ def _main():
         solution = f.read()
     with open("tests.py", encoding="utf-8") as f:
         tests = f.read()
+    # fork_exec (behind subprocess and multiprocessing.util.spawnv_passfds) raises no audit
+    # event, so it is replaced before the hook goes in.
+    import _posixsubprocess
+    def _no_fork_exec(*args, **kwargs):
+        _violate("forbidden", "_posixsubprocess.fork_exec")
+    _posixsubprocess.fork_exec = _no_fork_exec
     sys.addaudithook(_hook)
     ns = {"__name__": "solution", "__builtins__": __builtins__}
     stage = "solution"
@@ -292,7 +332,14 @@ def _ns_flags(netns: bool, pidns: bool) -> int:
     return flags
 
 
-def _make_preexec(limits: SandboxLimits, netns: bool, uid: int | None, nproc: int, pidns: bool = False):
+def _make_preexec(
+    limits: SandboxLimits,
+    netns: bool,
+    uid: int | None,
+    nproc: int,
+    pidns: bool = False,
+    confinement: WriteConfinement | None = None,
+):
     unshare = _UNSHARE  # bound before fork: no dlopen/dlsym in the child
     flags = _ns_flags(netns, pidns)
 
@@ -305,6 +352,8 @@ def _make_preexec(limits: SandboxLimits, netns: bool, uid: int | None, nproc: in
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
+        if confinement is not None:  # last: it also sets no_new_privs
+            confinement.restrict_self()
 
     return preexec
 
@@ -341,6 +390,46 @@ def network_isolation_mode(requested: str = "auto") -> str:
     if requested == "netns" and not ok:
         raise RuntimeError("a network namespace was requested but unshare(CLONE_NEWNET) fails here")
     return "netns" if ok else "audit-hook"
+
+
+def _landlock_probe(python: str) -> bool:
+    """Whether a child confined by Landlock starts and is refused a write outside its dir."""
+    inside, outside = tempfile.mkdtemp(), tempfile.mkdtemp()
+    code = f"try:\n    open({os.path.join(outside, 'x')!r}, 'w')\nexcept PermissionError:\n    print(3)"
+    try:
+        confinement = WriteConfinement(inside)
+    except OSError:
+        return False
+    try:
+        r = subprocess.run(
+            [python, "-I", "-B", "-c", code],
+            preexec_fn=confinement.restrict_self,
+            env={"PATH": "/usr/bin:/bin"},
+            cwd=inside,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=30,
+        )
+        return r.returncode == 0 and r.stdout.strip() == b"3" and not os.listdir(outside)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        confinement.close()
+        shutil.rmtree(inside, ignore_errors=True)
+        shutil.rmtree(outside, ignore_errors=True)
+
+
+def filesystem_isolation_mode(requested: str = "auto") -> str:
+    """``"landlock (ABI n)"`` if the kernel confines writes here (checked once), else ``"audit-hook"``."""
+    if requested == "audit":
+        return "audit-hook"
+    with _probe_lock:
+        if "landlock" not in _probe_cache:
+            _probe_cache["landlock"] = abi_version() if _landlock_probe(sys.executable) else 0
+        abi = _probe_cache["landlock"]
+    if requested == "landlock" and not abi:
+        raise RuntimeError("Landlock was requested but this kernel does not provide it (Linux >= 5.13)")
+    return f"landlock (ABI {abi})" if abi else "audit-hook"
 
 
 def pid_namespace_available() -> bool:
@@ -558,12 +647,38 @@ def _classify(
     return False, "error", msg
 
 
-def run_code(code: str, tests: str, limits: SandboxLimits | None = None) -> SandboxResult:
-    """Run ``code`` then ``tests`` (Python asserts) in a fresh sandboxed interpreter."""
-    limits = limits or SandboxLimits()
+@dataclass
+class _Run:
+    """What one run needs: how it is isolated, who it runs as, where, and how to find its processes."""
+
+    limits: SandboxLimits
+    netmode: str
+    fsmode: str
+    pidns: bool
+    uid: int | None
+    python: str
+    nproc: int
+    run_as: str
+    workdir: str = ""
+    token: str = field(default_factory=lambda: f"ALIGNPIPE_SANDBOX_{uuid.uuid4().hex}")
+
+    def result(self, passed: bool, reason: str, detail: str = "", **kw: Any) -> SandboxResult:
+        return SandboxResult(
+            passed,
+            reason,
+            detail,
+            network_isolation=self.netmode,
+            filesystem_isolation=self.fsmode,
+            run_as=self.run_as,
+            **kw,
+        )
+
+
+def _plan_run(limits: SandboxLimits) -> _Run | SandboxResult:
+    """Isolation modes and identity for a run, or a refusal when privileges cannot be dropped."""
     netmode = network_isolation_mode(limits.network)
+    fsmode = filesystem_isolation_mode(limits.filesystem)
     pidns = pid_namespace_available()
-    uid: int | None = None
     if limits.drop_privileges and os.geteuid() == 0:
         uid = _next_uid()
         python = _interpreter_for(uid)
@@ -576,120 +691,131 @@ def run_code(code: str, tests: str, limits: SandboxLimits | None = None) -> Sand
                 "cannot drop privileges: no Python interpreter is executable by an unprivileged "
                 "uid here; refusing to run untrusted code as root (set drop_privileges=False to override)",
                 network_isolation=netmode,
+                filesystem_isolation=fsmode,
                 run_as="nobody",
             )
-    else:
-        python = sys.executable
-    if uid is None:
-        nproc = limits.nproc + (_count_procs_of(os.getuid()) if os.getuid() != 0 else 0)
-        run_as = f"caller (uid {os.getuid()})" + (
-            "; RLIMIT_NPROC not enforced for root" if os.getuid() == 0 else ""
-        )
-    else:
-        nproc = limits.nproc
-        run_as = f"uid {uid}"
+        return _Run(limits, netmode, fsmode, pidns, uid, python, limits.nproc, f"uid {uid}")
+    uid_now = os.getuid()
+    nproc = limits.nproc + (_count_procs_of(uid_now) if uid_now != 0 else 0)
+    run_as = f"caller (uid {uid_now})" + ("; RLIMIT_NPROC not enforced for root" if uid_now == 0 else "")
+    return _Run(limits, netmode, fsmode, pidns, None, sys.executable, nproc, run_as)
 
-    workdir = tempfile.mkdtemp(prefix="alignpipe-sandbox-")
-    token = f"ALIGNPIPE_SANDBOX_{uuid.uuid4().hex}"
+
+def _write_workdir(run: _Run, code: str, tests: str) -> None:
+    run.workdir = tempfile.mkdtemp(prefix="alignpipe-sandbox-")
+    for name, text in (("solution.py", code), ("tests.py", tests), ("_harness.py", _HARNESS)):
+        with open(os.path.join(run.workdir, name), "w", encoding="utf-8") as f:
+            f.write(text)
+    if run.uid is not None:
+        os.chown(run.workdir, run.uid, run.uid)
+        for name in os.listdir(run.workdir):
+            os.chown(os.path.join(run.workdir, name), run.uid, run.uid)
+
+
+def _spawn(run: _Run, status_w: int) -> subprocess.Popen:
+    """Start the harness in the work dir with the run's limits, namespaces and confinement."""
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "HOME": run.workdir,
+        "TMPDIR": run.workdir,
+        "ALIGNPIPE_SANDBOX": run.token,
+    }
+    argv = [
+        run.python,
+        "-I",
+        "-B",
+        "_harness.py",  # relative: the sandbox uid may not traverse the parents of workdir
+        str(status_w),
+        "allow" if run.netmode == "netns" else "block",
+        "pidns" if run.pidns else "nopidns",
+        "kernel" if run.fsmode.startswith("landlock") else "hook",
+    ]
+    confinement = WriteConfinement(run.workdir) if run.fsmode.startswith("landlock") else None
+    try:
+        return subprocess.Popen(
+            argv,
+            cwd=run.workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(status_w,),
+            start_new_session=True,
+            preexec_fn=_make_preexec(
+                run.limits, run.netmode == "netns", run.uid, run.nproc, run.pidns, confinement
+            ),
+            close_fds=True,
+        )
+    finally:
+        if confinement is not None:
+            confinement.close()
+
+
+def _finish(run: _Run, proc: subprocess.Popen, status_r: int, t0: float) -> SandboxResult:
+    """Read the run's output and verdict, stop everything it started, and classify it."""
+    limits = run.limits
+    out, err, status_raw, timed_out = _read_capped(proc, status_r, t0 + limits.timeout_s, limits.output_bytes)
+    _terminate(proc, run.token.encode(), run.pidns)
+    try:
+        returncode = proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        returncode = proc.wait()
+    _wait_uid_gone(run.uid)
+    stderr = err.decode("utf-8", "replace")
+    status = None
+    for line in status_raw.decode("utf-8", "replace").splitlines():
+        try:
+            status = json.loads(line)
+            break
+        except ValueError:
+            continue
+    passed, reason, detail = _classify(status, returncode, timed_out, stderr)
+    return run.result(
+        passed,
+        reason,
+        detail,
+        stdout=out.decode("utf-8", "replace"),
+        stderr=stderr,
+        returncode=returncode,
+        duration_s=time.monotonic() - t0,
+        violations=list((status or {}).get("violations") or []),
+    )
+
+
+def run_code(code: str, tests: str, limits: SandboxLimits | None = None) -> SandboxResult:
+    """Run ``code`` then ``tests`` (Python asserts) in a fresh sandboxed interpreter."""
+    run = _plan_run(limits or SandboxLimits())
+    if isinstance(run, SandboxResult):
+        return run
     status_r, status_w = os.pipe()
     t0 = time.monotonic()
     proc = None
     try:
-        for name, text in (("solution.py", code), ("tests.py", tests), ("_harness.py", _HARNESS)):
-            with open(os.path.join(workdir, name), "w", encoding="utf-8") as f:
-                f.write(text)
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-            for name in os.listdir(workdir):
-                os.chown(os.path.join(workdir, name), uid, uid)
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8",
-            "HOME": workdir,
-            "TMPDIR": workdir,
-            "ALIGNPIPE_SANDBOX": token,
-        }
-        argv = [
-            python,
-            "-I",
-            "-B",
-            "_harness.py",  # relative: the sandbox uid may not traverse the parents of workdir
-            str(status_w),
-            "allow" if netmode == "netns" else "block",
-            "pidns" if pidns else "nopidns",
-        ]
+        _write_workdir(run, code, tests)
         try:
-            proc = subprocess.Popen(
-                argv,
-                cwd=workdir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=(status_w,),
-                start_new_session=True,
-                preexec_fn=_make_preexec(limits, netmode == "netns", uid, nproc, pidns),
-                close_fds=True,
-            )
+            proc = _spawn(run, status_w)
         except (OSError, subprocess.SubprocessError) as e:
-            return SandboxResult(
-                False,
-                "error",
-                f"could not start sandbox: {e}",
-                network_isolation=netmode,
-                run_as=run_as,
-            )
+            return run.result(False, "error", f"could not start sandbox: {e}")
         finally:
             os.close(status_w)
             status_w = -1
-        out, err, status_raw, timed_out = _read_capped(
-            proc, status_r, t0 + limits.timeout_s, limits.output_bytes
-        )
-        _terminate(proc, token.encode(), pidns)
-        try:
-            returncode = proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            returncode = proc.wait()
-        _wait_uid_gone(uid)
-        stdout = out.decode("utf-8", "replace")
-        stderr = err.decode("utf-8", "replace")
-        status = None
-        for line in status_raw.decode("utf-8", "replace").splitlines():
-            try:
-                status = json.loads(line)
-                break
-            except ValueError:
-                continue
-        passed, reason, detail = _classify(status, returncode, timed_out, stderr)
-        return SandboxResult(
-            passed=passed,
-            reason=reason,
-            detail=detail,
-            stdout=stdout,
-            stderr=stderr,
-            returncode=returncode,
-            duration_s=time.monotonic() - t0,
-            network_isolation=netmode,
-            run_as=run_as,
-            violations=list((status or {}).get("violations") or []),
-        )
+        return _finish(run, proc, status_r, t0)
     finally:
         if proc is not None and proc.poll() is None:
-            _terminate(proc, token.encode(), pidns)
+            _terminate(proc, run.token.encode(), run.pidns)
             proc.wait()
         for fd in (status_r, status_w):
             if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+                os.close(fd)
         if proc is not None:
             for s in (proc.stdout, proc.stderr):
                 if s:
                     s.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        if run.workdir:
+            shutil.rmtree(run.workdir, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- verifier entry points

@@ -31,4 +31,6 @@ def run(ctx: StageContext) -> None:
     summary = ", ".join(
         f"{fam} {c['train']}/{c['validation']}/{c['test']}" for fam, c in manifest["counts"].items()
     )
-    print(f"prep: wrote {ctx.output('prepared')} (train/validation/test rows: {summary})")
+    ties = manifest["ties_dropped"]["total"]
+    dropped = f"; {ties} preference tie(s) dropped (HelpSteer3 overall_preference 0)" if ties else ""
+    print(f"prep: wrote {ctx.output('prepared')} (train/validation/test rows: {summary}){dropped}")
