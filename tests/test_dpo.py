@@ -15,9 +15,9 @@ import pytest
 from safetensors.torch import load_file
 
 from alignpipe.artifacts import dvc_hash, md5_file, read_manifest
+from alignpipe.context import build_context
 from alignpipe.engines.local import common
 from alignpipe.errors import UnsupportedSetting
-from alignpipe.stage import build_context
 from tests.conftest import OFFLINE, REPO, copy_repo, run_cli, set_params
 
 # Short run, same code path as the committed profile: validation at steps 0, 20 and 40.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from alignpipe import tiny
+from alignpipe.context import StageContext
 from alignpipe.engines.local import common
-from alignpipe.stage import StageContext
 
 
 def corpus(prepared) -> list[str]:

@@ -18,8 +18,8 @@ from typing import Any
 
 from alignpipe.artifacts import RESOLVED_CONFIG, staged_dir, write_manifest, write_text_atomic
 from alignpipe.config import get_path
+from alignpipe.context import StageContext
 from alignpipe.errors import UnsupportedSetting
-from alignpipe.stage import StageContext
 
 # ----------------------------------------------------------------------------- guards
 

@@ -39,9 +39,9 @@ from alignpipe.artifacts import (
     write_text_atomic,
 )
 from alignpipe.config import get_path
+from alignpipe.context import StageContext
 from alignpipe.engines.local import common
 from alignpipe.errors import AlignpipeError, ConfigError
-from alignpipe.stage import StageContext
 
 HF_FORMATS = ("hf", "hf_consolidated")
 # artifact.json format -> NeMo-RL checkpoint format (alignpipe.engines.nemo_rl.convert). The
@@ -113,7 +113,7 @@ def run_converter(ctx: StageContext, argv: list[str]) -> None:
         code = subprocess.run(argv, cwd=ctx.runtime.get("nemo_rl_dir", "/opt/nemo-rl")).returncode
     else:
         fmt = argv[1].rsplit("/", 1)[-1]
-        if ctx.runtime["engine"] != "nemo_rl" or ctx.runtime["launcher"] == "process":
+        if ctx.nemo_rl_launcher in (None, "process"):
             raise ConfigError(
                 f"{ctx.input('checkpoint')} holds a NeMo-RL checkpoint ({fmt}); NeMo-RL's converter needs "
                 f"NeMo-RL, which is not installed here, and runtime.engine={ctx.runtime['engine']} / "
@@ -124,7 +124,7 @@ def run_converter(ctx: StageContext, argv: list[str]) -> None:
         from alignpipe.launch import get_launcher
         from alignpipe.launch.base import forwarded_env
 
-        launcher = get_launcher(ctx.runtime["launcher"], ctx.runtime, ctx.params)
+        launcher = get_launcher(ctx.nemo_rl_launcher, ctx.runtime, ctx.params)
         code = launcher.run(argv, stage=f"{ctx.name}@{ctx.source}", workdir=ctx.root, env=forwarded_env())
     if code != 0:
         raise AlignpipeError(f"NeMo-RL converter failed (exit {code}): {' '.join(argv)}")

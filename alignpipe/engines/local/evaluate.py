@@ -34,10 +34,10 @@ from alignpipe.artifacts import (
     write_text_atomic,
 )
 from alignpipe.config import get_path
+from alignpipe.context import StageContext
 from alignpipe.engines.local import common
 from alignpipe.engines.local.convert import make_shareable
 from alignpipe.errors import ConfigError
-from alignpipe.stage import StageContext
 
 METRIC_KEYS = ("heldout_accuracy", "rm_score", "mean_length", "kl_to_sft")
 

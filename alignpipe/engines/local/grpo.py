@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from alignpipe.config import get_path
+from alignpipe.context import StageContext
 from alignpipe.engines.local import common
 from alignpipe.errors import UnsupportedSetting
-from alignpipe.stage import StageContext
 
 # TRL log key -> pipeline metric name (same names on the NeMo-RL engine's importer).
 METRICS = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from alignpipe.artifacts import RESOLVED_CONFIG, staged_dir, write_manifest, write_text_atomic
+from alignpipe.context import StageContext
 from alignpipe.data.prepare import prepare
-from alignpipe.stage import StageContext
 
 
 def run(ctx: StageContext) -> None:

@@ -25,10 +25,10 @@ from collections.abc import Callable
 from typing import Any
 
 from alignpipe.config import get_path
+from alignpipe.context import StageContext
 from alignpipe.engines.local import common, grpo
 from alignpipe.engines.local.judge import JudgeConfig, judge_rewards, load_judge
 from alignpipe.errors import ConfigError, UnsupportedSetting
-from alignpipe.stage import StageContext
 
 REWARD_SOURCES = ("rm", "judge")
 

@@ -29,9 +29,9 @@ from __future__ import annotations
 from typing import Any
 
 from alignpipe.config import get_path
+from alignpipe.context import StageContext
 from alignpipe.engines.local import common
 from alignpipe.errors import UnsupportedSetting
-from alignpipe.stage import StageContext
 
 # trainer / validation log key -> pipeline metric name (same names on the NeMo-RL engine)
 METRICS = {

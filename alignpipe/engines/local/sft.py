@@ -8,8 +8,8 @@ room to show gains, and ``heldout/accuracy`` records where SFT leaves off.
 from __future__ import annotations
 
 from alignpipe.config import get_path
+from alignpipe.context import StageContext
 from alignpipe.engines.local import common
-from alignpipe.stage import StageContext
 
 # trainer log key -> pipeline metric name (same names on the NeMo-RL engine)
 METRICS = {
