@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 
 from alignpipe.artifacts import dvc_hash, md5_file, read_manifest
 from alignpipe.context import build_context
-from alignpipe.engines.local import common
+from alignpipe.engines.local import training
 from alignpipe.errors import UnsupportedSetting
+from alignpipe.jsonl import read_jsonl
 from tests.conftest import OFFLINE, REPO, copy_repo, run_cli, set_params
 
 # Short run, same code path as the committed profile: validation at steps 0, 20 and 40.
@@ -86,8 +87,8 @@ def test_validation_rewards_match_trls_own(dpo_run: Path, tmp_path: Path):
     policy = AutoModelForCausalLM.from_pretrained(dpo_run / "models" / "dpo", local_files_only=True).eval()
     reference = AutoModelForCausalLM.from_pretrained(dpo_run / "models" / "sft", local_files_only=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(dpo_run / "models" / "dpo", local_files_only=True)
-    rows = common.read_jsonl(dpo_run / "data/prepared/preference/validation.jsonl")[:32]
-    pairs = common.preference_pairs(rows)
+    rows = read_jsonl(dpo_run / "data/prepared/preference/validation.jsonl")[:32]
+    pairs = training.preference_pairs(rows)
     ours = preference_metrics(policy, reference, tokenizer, pairs, beta=0.1, average_log_probs=False)
 
     args = DPOConfig(output_dir=str(tmp_path), beta=0.1, per_device_eval_batch_size=32, use_cpu=True, bf16=False,

@@ -40,7 +40,7 @@ from alignpipe.artifacts import (
 )
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
-from alignpipe.engines.local import common
+from alignpipe.engines.local import training
 from alignpipe.errors import AlignpipeError, ConfigError
 
 HF_FORMATS = ("hf", "hf_consolidated")
@@ -166,7 +166,7 @@ def verify_export(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from alignpipe.engines.local.common import generate, user_turn
+    from alignpipe.measure.generation import generate, user_turn
 
     model = AutoModelForCausalLM.from_pretrained(export_dir, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(export_dir, local_files_only=True)
@@ -209,7 +209,7 @@ def verify_export(
 
 
 def verification_prompts(ctx: StageContext, settings: dict[str, Any]) -> list[str]:
-    from alignpipe.engines.local.common import read_jsonl
+    from alignpipe.jsonl import read_jsonl
 
     path = ctx.root / settings.get("data_path", "data/prepared/rlvr/test.jsonl")
     if not path.is_file():
@@ -340,7 +340,7 @@ def plan(ctx: StageContext) -> dict[str, str]:
 def run(ctx: StageContext) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    common.apply_torch_threads(ctx)  # tiny: 1 thread (benchmarks/RESULTS.md)
+    training.apply_torch_threads(ctx)  # tiny: 1 thread (benchmarks/RESULTS.md)
     export = dict(get_path(ctx.config, "alignpipe.export", {}) or {})
     dtype = export.get("dtype")
     if dtype is not None and dtype not in DTYPES:

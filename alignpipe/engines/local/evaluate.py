@@ -4,7 +4,7 @@ For each policy (``sft`` from ``models/sft``; ``dpo``, ``rlvr``, ``rlhf`` from t
 exports) one seeded sample per held-out prompt (``data/prepared/rlvr/test.jsonl``, the
 ``alignpipe.heldout`` settings every trainer uses) is drawn and measured:
 
-* ``heldout_accuracy``: the row's verifier scores the sample 1.0 (``common.heldout_accuracy``,
+* ``heldout_accuracy``: the row's verifier scores the sample 1.0 (``heldout_accuracy``,
   the number each stage logs as ``heldout/accuracy``; for ``sft`` it equals that stage's);
 * ``rm_score``: mean score the reward model (``models/rm``) gives the (prompt, sample) pairs;
 * ``mean_length``: mean number of tokens per sample;
@@ -35,9 +35,12 @@ from alignpipe.artifacts import (
 )
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
-from alignpipe.engines.local import common
+from alignpipe.engines.local import training
 from alignpipe.engines.local.convert import make_shareable
 from alignpipe.errors import ConfigError
+from alignpipe.jsonl import read_jsonl
+from alignpipe.measure.generation import user_turn
+from alignpipe.measure.heldout import heldout_accuracy, heldout_completions, heldout_settings
 
 METRIC_KEYS = ("heldout_accuracy", "rm_score", "mean_length", "kl_to_sft")
 
@@ -100,7 +103,7 @@ def kl_to_reference(
     prompt_ids = [
         list(
             tokenizer.apply_chat_template(
-                common.user_turn(p), tokenize=True, add_generation_prompt=True, return_dict=True
+                user_turn(p), tokenize=True, add_generation_prompt=True, return_dict=True
             )["input_ids"]
         )
         for p in prompts
@@ -122,7 +125,7 @@ def rm_scores(
     seqs = [
         list(
             tokenizer.apply_chat_template(
-                common.user_turn(p) + [{"role": "assistant", "content": c}], tokenize=True, return_dict=True
+                user_turn(p) + [{"role": "assistant", "content": c}], tokenize=True, return_dict=True
             )["input_ids"]
         )
         for p, c in zip(prompts, completions, strict=True)
@@ -162,15 +165,15 @@ def run(ctx: StageContext) -> None:
     from alignpipe.report import comparison_chart, markdown_table
     from alignpipe.rewards import score_completions
 
-    settings = common.heldout_settings(ctx)
-    common.apply_torch_threads(ctx)  # tiny: 1 thread (benchmarks/RESULTS.md)
+    settings = heldout_settings(ctx)
+    training.apply_torch_threads(ctx)  # tiny: 1 thread (benchmarks/RESULTS.md)
     ev = dict(get_path(ctx.config, "alignpipe.evaluate", {}) or {})
     entries = ev.get("policies") or []
     names = [e["name"] for e in entries]
     reference = ev.get("reference", "sft")
     if reference not in names:
         raise ConfigError(f"alignpipe.evaluate.reference '{reference}' is not one of the policies {names}")
-    rows = common.read_jsonl(ctx.root / settings["data_path"])
+    rows = read_jsonl(ctx.root / settings["data_path"])
     if settings.get("limit"):
         rows = rows[: int(settings["limit"])]
     prompts = [r["prompt"] for r in rows]
@@ -199,8 +202,8 @@ def run(ctx: StageContext) -> None:
                 f"{entry['path']}: its tokenizer differs from the reference '{reference}' policy's; "
                 "kl_to_sft needs the same vocabulary"
             )
-        completions = common.heldout_completions(model, tok, rows, settings)
-        acc = common.heldout_accuracy(model, tok, rows, settings, completions=completions)
+        completions = heldout_completions(model, tok, rows, settings)
+        acc = heldout_accuracy(model, tok, rows, settings, completions=completions)
         scores = rm_scores(reward_model, rm_tok, prompts, completions) if reward_model is not None else None
         policies[name] = {
             "path": entry["path"],

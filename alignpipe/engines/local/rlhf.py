@@ -26,9 +26,10 @@ from typing import Any
 
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
-from alignpipe.engines.local import common, grpo
+from alignpipe.engines.local import grpo
 from alignpipe.engines.local.judge import JudgeConfig, judge_rewards, load_judge
 from alignpipe.errors import ConfigError, UnsupportedSetting
+from alignpipe.measure.generation import user_turn
 
 REWARD_SOURCES = ("rm", "judge")
 
@@ -51,7 +52,7 @@ class RewardModelScorer:
         """The conversation as the RM saw it in training: the chat template over user + assistant turns."""
         return [
             self.tokenizer.apply_chat_template(
-                [*common.user_turn(p), {"role": "assistant", "content": c}], tokenize=False
+                [*user_turn(p), {"role": "assistant", "content": c}], tokenize=False
             )
             for p, c in zip(prompts, completions, strict=True)
         ]

@@ -206,7 +206,8 @@ def heldout_for(ctx, model_dir: Path) -> dict[str, float] | None:
         return None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from alignpipe.engines.local.common import heldout_accuracy, read_jsonl
+    from alignpipe.jsonl import read_jsonl
+    from alignpipe.measure.heldout import heldout_accuracy
 
     rows = read_jsonl(ctx.root / settings.get("data_path", "data/prepared/rlvr/test.jsonl"))
     if settings.get("limit"):
