@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from alignpipe.artifacts import dvc_hash, read_manifest
 from alignpipe.engines.local import training
 from alignpipe.jsonl import read_jsonl
-from tests.conftest import run_cli, set_params
+from tests.conftest import run_cli, set_params, writable_copy
 
 # Short run, same code path as the committed profile. The fixture's SFT policy has only 40
 # steps, and on all three tasks an RM needs hundreds of steps to move off chance from it; on
@@ -43,10 +43,11 @@ def tsv(path: Path) -> list[tuple[int, float]]:
 
 @pytest.fixture(scope="module")
 def rm_run(trained_sft: Path, tmp_path_factory) -> Path:
-    sort_pairs(trained_sft)
-    set_params(trained_sft, FAST_RM)
-    run_cli(trained_sft, "run", "rm", env={"ALIGNPIPE_SCRATCH": str(tmp_path_factory.mktemp("rm-scratch"))})
-    return trained_sft
+    root = writable_copy(trained_sft, tmp_path_factory.mktemp("rm") / "repo")
+    sort_pairs(root)
+    set_params(root, FAST_RM)
+    run_cli(root, "run", "rm", env={"ALIGNPIPE_SCRATCH": str(tmp_path_factory.mktemp("rm-scratch"))})
+    return root
 
 
 @pytest.mark.slow
