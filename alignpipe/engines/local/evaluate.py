@@ -23,7 +23,6 @@ Outputs (``results/evaluate``): ``metrics.json`` (``{"policies": {name: {...}}}`
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from alignpipe.artifacts import (
@@ -39,98 +38,11 @@ from alignpipe.engines.local import training
 from alignpipe.engines.local.convert import make_shareable
 from alignpipe.errors import ConfigError
 from alignpipe.jsonl import read_jsonl
-from alignpipe.measure.generation import user_turn
 from alignpipe.measure.heldout import heldout_accuracy, heldout_completions, heldout_settings
+from alignpipe.measure.logprobs import kl_to_reference, load_policy
+from alignpipe.measure.reward_model import RewardModelScorer, hacking_suspected
 
 METRIC_KEYS = ("heldout_accuracy", "rm_score", "mean_length", "kl_to_sft")
-
-
-def load_policy(root: Path, path: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    where = root / path
-    if not (where / "config.json").is_file():
-        raise ConfigError(
-            f"{where} is not a Hugging Face model directory (config.json missing); evaluate compares the "
-            f"policies listed in alignpipe.evaluate.policies (run `dvc repro` for the stages that make them)"
-        )
-    model = AutoModelForCausalLM.from_pretrained(where, local_files_only=True).eval()
-    return model, AutoTokenizer.from_pretrained(where, local_files_only=True)
-
-
-def completion_ids(tokenizer, completion: str, max_new_tokens: int) -> list[int]:
-    """Token ids of a decoded sample; a sample shorter than the budget stopped on EOS, so EOS is part of it."""
-    ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-    if len(ids) < max_new_tokens:
-        ids = ids + [tokenizer.eos_token_id]
-    return ids
-
-
-def sequence_logprobs(
-    model, prompt_ids: list[list[int]], answer_ids: list[list[int]], pad_id: int, batch_size: int = 64
-):
-    """Per-token log-probabilities of each answer after its prompt (list of 1-D tensors)."""
-    import torch
-
-    out = []
-    for start in range(0, len(prompt_ids), batch_size):
-        seqs = [
-            p + a
-            for p, a in zip(
-                prompt_ids[start : start + batch_size], answer_ids[start : start + batch_size], strict=True
-            )
-        ]
-        width = max(len(s) for s in seqs)
-        ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
-        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
-        for row, (p, a) in enumerate(
-            zip(prompt_ids[start : start + batch_size], answer_ids[start : start + batch_size], strict=True)
-        ):
-            # Token t is predicted by the logits at position t-1.
-            pos = torch.arange(len(p) - 1, len(p) + len(a) - 1)
-            out.append(logp[row, pos, torch.tensor(a)])
-    return out
-
-
-def kl_to_reference(
-    policy, reference, tokenizer, prompts: list[str], completions: list[str], max_new_tokens: int
-) -> float:
-    """Mean per-token k3 estimate of KL(policy || reference) on the policy's own samples."""
-    import torch
-
-    prompt_ids = [
-        list(
-            tokenizer.apply_chat_template(
-                user_turn(p), tokenize=True, add_generation_prompt=True, return_dict=True
-            )["input_ids"]
-        )
-        for p in prompts
-    ]
-    answer_ids = [completion_ids(tokenizer, c, max_new_tokens) for c in completions]
-    pad = tokenizer.pad_token_id
-    lp_policy = torch.cat(sequence_logprobs(policy, prompt_ids, answer_ids, pad))
-    lp_ref = torch.cat(sequence_logprobs(reference, prompt_ids, answer_ids, pad))
-    r = lp_ref - lp_policy
-    return float((torch.exp(r) - r - 1).mean()) if r.numel() else 0.0
-
-
-def rm_scores(
-    reward_model, tokenizer, prompts: list[str], completions: list[str], batch_size: int = 64
-) -> list[float]:
-    """The reward model's score of each (prompt, answer) pair, rendered as the rm stage trained on it."""
-    from alignpipe.engines.local.rm import score_sequences
-
-    seqs = [
-        list(
-            tokenizer.apply_chat_template(
-                user_turn(p) + [{"role": "assistant", "content": c}], tokenize=True, return_dict=True
-            )["input_ids"]
-        )
-        for p, c in zip(prompts, completions, strict=True)
-    ]
-    return [float(s) for s in score_sequences(reward_model, tokenizer, seqs, batch_size)]
 
 
 def same_vocabulary(a, b) -> bool:
@@ -151,8 +63,9 @@ def flag_reward_hacking(
             name != reference
             and m.get("rm_score") is not None
             and ref.get("rm_score") is not None
-            and m["rm_score"] > ref["rm_score"]
-            and m["heldout_accuracy"] < ref["heldout_accuracy"] - accuracy_drop
+            and hacking_suspected(
+                m["rm_score"], ref["rm_score"], m["heldout_accuracy"], ref["heldout_accuracy"], accuracy_drop
+            )
         )
 
 
@@ -180,23 +93,15 @@ def run(ctx: StageContext) -> None:
     max_new = int(settings.get("max_new_tokens", 16))
     torch.manual_seed(ctx.seed)
 
-    ref_model, ref_tok = load_policy(ctx.root, next(e["path"] for e in entries if e["name"] == reference))
+    ref_model, ref_tok = load_policy(ctx.root / next(e["path"] for e in entries if e["name"] == reference))
     rm_path = ev.get("reward_model")
-    reward_model = rm_tok = None
-    if rm_path:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        reward_model = AutoModelForSequenceClassification.from_pretrained(
-            ctx.root / rm_path, local_files_only=True
-        ).eval()
-        rm_tok = AutoTokenizer.from_pretrained(ctx.root / rm_path, local_files_only=True)
-        reward_model.config.pad_token_id = rm_tok.pad_token_id
+    scorer = RewardModelScorer(str(ctx.root / rm_path)) if rm_path else None
 
     policies: dict[str, dict[str, Any]] = {}
     samples: list[dict[str, Any]] = []
     for entry in entries:
         name = entry["name"]
-        model, tok = (ref_model, ref_tok) if name == reference else load_policy(ctx.root, entry["path"])
+        model, tok = (ref_model, ref_tok) if name == reference else load_policy(ctx.root / entry["path"])
         if not same_vocabulary(tok, ref_tok):
             raise ConfigError(
                 f"{entry['path']}: its tokenizer differs from the reference '{reference}' policy's; "
@@ -204,7 +109,7 @@ def run(ctx: StageContext) -> None:
             )
         completions = heldout_completions(model, tok, rows, settings)
         acc = heldout_accuracy(model, tok, rows, settings, completions=completions)
-        scores = rm_scores(reward_model, rm_tok, prompts, completions) if reward_model is not None else None
+        scores = scorer(prompts, completions) if scorer is not None else None
         policies[name] = {
             "path": entry["path"],
             "heldout_accuracy": acc["accuracy"],

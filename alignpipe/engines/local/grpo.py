@@ -29,6 +29,7 @@ from alignpipe.errors import UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.generation import user_turn
 from alignpipe.measure.heldout import heldout_accuracy, heldout_completions, heldout_settings, log_heldout
+from alignpipe.measure.logprobs import kl_to_reference, load_policy
 
 # TRL log key -> pipeline metric name (same names on the NeMo-RL engine's importer).
 METRICS = {
@@ -261,14 +262,6 @@ def conversational(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"prompt": user_turn(r["prompt"]), **{c: r.get(c) for c in keep}} for r in rows]
 
 
-def load_policy(path: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-    return model, tokenizer
-
-
 # ----------------------------------------------------------------------------- held-out
 
 
@@ -277,43 +270,6 @@ def sample_heldout(ctx: StageContext, model, tokenizer) -> tuple[list[dict], lis
     settings = heldout_settings(ctx)
     rows = read_jsonl(ctx.root / settings["data_path"])
     return rows, heldout_completions(model, tokenizer, rows, settings)
-
-
-def sequence_logprobs(model, tokenizer, prompts: list[str], completions: list[str], batch_size: int = 128):
-    """Sum of log-probs of each completion (plus the end-of-turn token) given its chat-formatted prompt."""
-    import torch
-
-    out: list[float] = []
-    model.eval()
-    for start in range(0, len(prompts), batch_size):
-        ids, masks = [], []
-        for p, c in zip(prompts[start : start + batch_size], completions[start : start + batch_size], strict=True):
-            text = tokenizer.apply_chat_template(user_turn(p), tokenize=False, add_generation_prompt=True)
-            prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            comp_ids = tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            ids.append(list(prompt_ids) + comp_ids)
-            masks.append([0] * len(prompt_ids) + [1] * len(comp_ids))
-        width = max(len(x) for x in ids)
-        input_ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in ids])
-        attention = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
-        loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
-        with torch.no_grad():
-            logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-        out.extend((logp * loss_mask[:, 1:]).sum(-1).tolist())
-    return out
-
-
-def kl_to_reference(policy, reference, tokenizer, rows: list[dict], completions: list[str]) -> float:
-    """Monte-Carlo KL(policy || reference) per sequence on the policy's own held-out samples.
-
-    Mean of ``log pi(y|x) - log ref(y|x)`` over y ~ pi: the sequence-level KL drift, measured
-    the same way whatever ``loss_fn.reference_policy_kl_penalty`` is (also when it is 0).
-    """
-    prompts = [r["prompt"] for r in rows]
-    lp = sequence_logprobs(policy, tokenizer, prompts, completions)
-    lr = sequence_logprobs(reference, tokenizer, prompts, completions)
-    return sum(a - b for a, b in zip(lp, lr, strict=True)) / max(1, len(lp))
 
 
 def log_reference_heldout(live, ctx: StageContext, reference, tokenizer) -> dict[str, float]:
@@ -336,17 +292,12 @@ def run_grpo(ctx: StageContext, reward_fn: RewardFn, *, data_key: str = "data.tr
     ``after_training(live, policy, reference, tokenizer)`` lets a stage add its own held-out
     metrics (rlhf: reward-model scores) before the summary is written.
     """
-    import torch
     from datasets import Dataset
     from trl import GRPOConfig
 
     refuse_unsupported_grpo(ctx)
     cfg = ctx.config
-    threads = get_path(cfg, "alignpipe.torch_threads")
-    if threads:
-        # Tiny matrices gain nothing from intra-op threads; on a busy machine the idle
-        # threads spin and cost ~9x the CPU time per step (measured, benchmarks/grpo_stages.md).
-        torch.set_num_threads(int(threads))
+    training.apply_torch_threads(ctx)  # ~9x less CPU per GRPO step on a busy box (benchmarks/grpo_stages.md)
     policy_path = str(ctx.input("policy"))
     model, tokenizer = load_policy(policy_path)
     tokenizer.padding_side = "left"  # TRL generates from left-padded prompts
@@ -385,7 +336,8 @@ def run_grpo(ctx: StageContext, reward_fn: RewardFn, *, data_key: str = "data.tr
     heldout = log_heldout(live, ctx, policy, tokenizer)
     ref = log_reference_heldout(live, ctx, reference, tokenizer)
     rows, completions = sample_heldout(ctx, policy, tokenizer)
-    kl = kl_to_reference(policy, reference, tokenizer, rows, completions)
+    max_new = int(heldout_settings(ctx).get("max_new_tokens", 16))
+    kl = kl_to_reference(policy, reference, tokenizer, [r["prompt"] for r in rows], completions, max_new)
     live.summary.setdefault("heldout", {})["kl_to_reference"] = kl
     extra = after_training(live, policy, reference, tokenizer) if after_training else {}
     live.make_summary()
