@@ -219,15 +219,10 @@ def run(ctx: StageContext) -> None:
         processing_class=tokenizer,
         callbacks=[live_log.make_live_callback(live, METRICS), validation],
     )
-    training.train_resumable(ctx, trainer, live, METRICS)
-    model = trainer.model
-    if val_pairs and get_path(cfg, "dpo.val_at_end", True) and validation.last_step != trainer.state.global_step:
-        validation.run(model, trainer.state)
+    model = training.train_then_validate(ctx, trainer, live, METRICS, validation, "dpo", bool(val_pairs))
 
     heldout = log_heldout(live, ctx, model, tokenizer)
-    live.make_summary()
-    live.end()
-    metrics = live_log.flat_metrics(live.summary)
+    metrics = live_log.close(live)
     publish.publish_model(ctx, "policy_out", model, tokenizer, metrics)
     training.clear_scratch(ctx)
     print(f"dpo: val/preference_accuracy={metrics.get('val/preference_accuracy')} "

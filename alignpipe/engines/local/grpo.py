@@ -340,9 +340,7 @@ def run_grpo(ctx: StageContext, reward_fn: RewardFn, *, data_key: str = "data.tr
     kl = kl_to_reference(policy, reference, tokenizer, [r["prompt"] for r in rows], completions, max_new)
     live.summary.setdefault("heldout", {})["kl_to_reference"] = kl
     extra = after_training(live, policy, reference, tokenizer) if after_training else {}
-    live.make_summary()
-    live.end()
-    metrics = live_log.flat_metrics(live.summary)
+    metrics = live_log.close(live)
     publish.publish_model(ctx, "policy_out", policy, tokenizer, metrics)
     training.clear_scratch(ctx)
     print(

@@ -106,6 +106,13 @@ def replay_history(live, rename: dict[str, str], checkpoint: Path) -> None:
             log_to_live(live, rename, entry, int(entry.get("step", 0)))
 
 
+def close(live) -> dict[str, float]:
+    """Write the summary, end the run, and return its metrics flat (for manifests and model cards)."""
+    live.make_summary()
+    live.end()
+    return flat_metrics(live.summary)
+
+
 def flat_metrics(summary: dict[str, Any], prefix: str = "") -> dict[str, float]:
     """``{"val": {"loss": 1}}`` -> ``{"val/loss": 1}`` for manifests and model cards."""
     out: dict[str, float] = {}

@@ -165,14 +165,9 @@ def run(ctx: StageContext) -> None:
         processing_class=tokenizer,
         callbacks=[live_log.make_live_callback(live, METRICS), validation],
     )
-    training.train_resumable(ctx, trainer, live, METRICS)
-    model = trainer.model
-    if val_pairs and get_path(cfg, "rm.val_at_end", True) and validation.last_step != trainer.state.global_step:
-        validation.run(model, trainer.state)
+    model = training.train_then_validate(ctx, trainer, live, METRICS, validation, "rm", bool(val_pairs))
 
-    live.make_summary()
-    live.end()
-    metrics = live_log.flat_metrics(live.summary)
+    metrics = live_log.close(live)
     publish.publish_model(ctx, "reward_model", model, tokenizer, metrics,
                          extra={"reward_model_type": "bradley_terry"})
     training.clear_scratch(ctx)

@@ -86,9 +86,7 @@ def run(ctx: StageContext) -> None:
         model = trainer.model
 
     heldout = log_heldout(live, ctx, model, tokenizer)
-    live.make_summary()
-    live.end()
-    metrics = live_log.flat_metrics(live.summary)
+    metrics = live_log.close(live)
     publish.publish_model(ctx, "policy", model, tokenizer, metrics)
     training.clear_scratch(ctx)
     print(f"sft: heldout/accuracy={heldout['accuracy']:.3f} -> {ctx.output('policy')}")

@@ -193,6 +193,17 @@ def train_resumable(ctx: StageContext, trainer, live, rename: dict[str, str]) ->
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
 
 
+def train_then_validate(ctx: StageContext, trainer, live, rename: dict[str, str], validation, algo: str,
+                        has_validation: bool):
+    """``train_resumable``, then one last validation (``<algo>.val_at_end``) unless the last
+    step already ran one; returns the trained model."""
+    train_resumable(ctx, trainer, live, rename)
+    last = trainer.state.global_step
+    if has_validation and get_path(ctx.config, f"{algo}.val_at_end", True) and validation.last_step != last:
+        validation.run(trainer.model, trainer.state)
+    return trainer.model
+
+
 def clear_scratch(ctx: StageContext) -> None:
     shutil.rmtree(ctx.scratch_dir, ignore_errors=True)
 
