@@ -171,6 +171,7 @@ class SlurmLauncher(Launcher):
         return prefix
 
     def render_script(self, argv: Sequence[str], *, stage: str, workdir: Path) -> str:
+        # Over 60 lines: one sbatch script template, in the order the script runs.
         s = self.settings
         workdir_q = shlex.quote(str(workdir))
         lines = [

@@ -35,12 +35,12 @@ from alignpipe.artifacts import (
     dvc_hash,
     read_manifest,
     staged_dir,
-    write_manifest,
     write_text_atomic,
 )
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import training
+from alignpipe.engines.local.publish import write_hf_manifest
 from alignpipe.errors import AlignpipeError, ConfigError
 
 HF_FORMATS = ("hf", "hf_consolidated")
@@ -231,6 +231,7 @@ def model_card(
     ctx: StageContext, manifest: dict[str, Any], source_hash: str, verification: dict[str, Any], dtype: str
 ) -> str:
     """README.md: what this model is, where it came from (content hashes), how good, how to load it."""
+    # Over 60 lines: one markdown template, read top to bottom like the card it writes.
     stage = manifest.get("stage", ctx.source)
     metrics = manifest.get("metrics") or {}
     headline = {
@@ -384,12 +385,9 @@ def run(ctx: StageContext) -> None:
         write_text_atomic(
             out / "README.md", model_card(ctx, manifest, source_hash, verification, final_dtype)
         )
-        write_manifest(
+        write_hf_manifest(
             out,
-            type="checkpoint_hf",
-            format="hf",
-            stage=ctx.name,
-            engine="local",
+            ctx,
             image=manifest.get("image"),
             inputs={
                 "checkpoint": {

@@ -72,11 +72,67 @@ def flag_reward_hacking(
 # ----------------------------------------------------------------------------- stage
 
 
+def measure_policy(name, model, tok, reference, rows, settings, scorer) -> tuple[dict[str, Any], list[dict]]:
+    """One policy's metrics on its own seeded samples, and the samples with their scores.
+
+    ``reference``: ``(name, model)`` of the policy KL is measured against.
+    """
+    from alignpipe.rewards import score_completions
+
+    prompts = [r["prompt"] for r in rows]
+    completions = heldout_completions(model, tok, rows, settings)
+    acc = heldout_accuracy(model, tok, rows, settings, completions=completions)
+    scores = scorer(prompts, completions) if scorer is not None else None
+    max_new = int(settings.get("max_new_tokens", 16))
+    metrics = {
+        "heldout_accuracy": acc["accuracy"],
+        "rm_score": sum(scores) / len(scores) if scores else None,
+        "mean_length": acc["mean_length"],
+        "kl_to_sft": 0.0
+        if name == reference[0]
+        else kl_to_reference(model, reference[1], tok, prompts, completions, max_new),
+        **{f"heldout_{k}": v for k, v in acc.items() if k.startswith("accuracy_")},
+    }
+    verdicts = score_completions(rows, completions)  # per sample, for samples.jsonl
+    samples = [
+        {
+            "policy": name,
+            "id": row.get("id"),
+            "task": row.get("task"),
+            "prompt": row["prompt"],
+            "completion": completion,
+            "correct": verdicts[i],
+            "rm_score": scores[i] if scores else None,
+        }
+        for i, (row, completion) in enumerate(zip(rows, completions, strict=True))
+    ]
+    return metrics, samples
+
+
+def write_results(ctx: StageContext, metrics: dict[str, Any], samples: list[dict]) -> None:
+    from alignpipe.report import comparison_chart, markdown_table
+
+    policies = metrics["policies"]
+    with staged_dir(ctx.output("results")) as out:
+        write_json_atomic(out / "metrics.json", metrics)
+        write_text_atomic(out / "report.md", markdown_table(metrics))
+        comparison_chart(metrics, out / "comparison.png")
+        write_text_atomic(out / "samples.jsonl", "".join(json.dumps(s, sort_keys=True) + "\n" for s in samples))
+        write_text_atomic(out / RESOLVED_CONFIG, ctx.resolved_config_yaml())
+        write_manifest(
+            out,
+            type="report",
+            format="evaluate-v1",
+            stage=ctx.name,
+            engine="local",
+            inputs=ctx.input_hashes,
+            metrics={f"{n}/{k}": v for n, m in policies.items() for k, v in m.items() if k in METRIC_KEYS},
+        )
+        make_shareable(out)
+
+
 def run(ctx: StageContext) -> None:
     import torch
-
-    from alignpipe.report import comparison_chart, markdown_table
-    from alignpipe.rewards import score_completions
 
     settings = heldout_settings(ctx)
     training.apply_torch_threads(ctx)  # tiny: 1 thread (benchmarks/RESULTS.md)
@@ -89,8 +145,6 @@ def run(ctx: StageContext) -> None:
     rows = read_jsonl(ctx.root / settings["data_path"])
     if settings.get("limit"):
         rows = rows[: int(settings["limit"])]
-    prompts = [r["prompt"] for r in rows]
-    max_new = int(settings.get("max_new_tokens", 16))
     torch.manual_seed(ctx.seed)
 
     ref_model, ref_tok = load_policy(ctx.root / next(e["path"] for e in entries if e["name"] == reference))
@@ -107,36 +161,10 @@ def run(ctx: StageContext) -> None:
                 f"{entry['path']}: its tokenizer differs from the reference '{reference}' policy's; "
                 "kl_to_sft needs the same vocabulary"
             )
-        completions = heldout_completions(model, tok, rows, settings)
-        acc = heldout_accuracy(model, tok, rows, settings, completions=completions)
-        scores = scorer(prompts, completions) if scorer is not None else None
-        policies[name] = {
-            "path": entry["path"],
-            "heldout_accuracy": acc["accuracy"],
-            "rm_score": sum(scores) / len(scores) if scores else None,
-            "mean_length": acc["mean_length"],
-            "kl_to_sft": 0.0
-            if name == reference
-            else kl_to_reference(model, ref_model, tok, prompts, completions, max_new),
-            **{f"heldout_{k}": v for k, v in acc.items() if k.startswith("accuracy_")},
-        }
-        verdicts = score_completions(rows, completions)  # per sample, for samples.jsonl
-        for i, (row, completion) in enumerate(zip(rows, completions, strict=True)):
-            samples.append(
-                {
-                    "policy": name,
-                    "id": row.get("id"),
-                    "task": row.get("task"),
-                    "prompt": row["prompt"],
-                    "completion": completion,
-                    "correct": verdicts[i],
-                    "rm_score": scores[i] if scores else None,
-                }
-            )
-        print(
-            f"evaluate: {name}: "
-            + ", ".join(f"{k}={policies[name][k]:.4g}" for k in METRIC_KEYS if policies[name][k] is not None)
-        )
+        measured, policy_samples = measure_policy(name, model, tok, (reference, ref_model), rows, settings, scorer)
+        policies[name] = {"path": entry["path"], **measured}
+        samples += policy_samples
+        print(f"evaluate: {name}: " + ", ".join(f"{k}={measured[k]:.4g}" for k in METRIC_KEYS if measured[k] is not None))
 
     drop = float(get_path(ctx.config, "alignpipe.reward_hacking.accuracy_drop", 0.0) or 0.0)
     flag_reward_hacking(policies, reference, drop)
@@ -148,29 +176,12 @@ def run(ctx: StageContext) -> None:
             "prompts": len(rows),
             "seed": int(settings.get("seed", 1234)),
             "temperature": float(settings.get("temperature", 1.0)),
-            "max_new_tokens": max_new,
+            "max_new_tokens": int(settings.get("max_new_tokens", 16)),
         },
         "reward_model": rm_path,
         "reward_hacking_accuracy_drop": drop,
     }
-    with staged_dir(ctx.output("results")) as out:
-        write_json_atomic(out / "metrics.json", metrics)
-        write_text_atomic(out / "report.md", markdown_table(metrics))
-        comparison_chart(metrics, out / "comparison.png")
-        write_text_atomic(
-            out / "samples.jsonl", "".join(json.dumps(s, sort_keys=True) + "\n" for s in samples)
-        )
-        write_text_atomic(out / RESOLVED_CONFIG, ctx.resolved_config_yaml())
-        write_manifest(
-            out,
-            type="report",
-            format="evaluate-v1",
-            stage=ctx.name,
-            engine="local",
-            inputs=ctx.input_hashes,
-            metrics={f"{n}/{k}": v for n, m in policies.items() for k, v in m.items() if k in METRIC_KEYS},
-        )
-        make_shareable(out)
+    write_results(ctx, metrics, samples)
     flagged = [n for n, m in policies.items() if m["suspected_reward_hacking"]]
     print(
         f"evaluate: wrote {ctx.output('results')}"

@@ -24,14 +24,10 @@ def publish_model(
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
         write_text_atomic(out / RESOLVED_CONFIG, ctx.resolved_config_yaml())
-        write_manifest(
-            out,
-            type="checkpoint_hf",
-            format="hf",
-            stage=ctx.name,
-            engine="local",
-            inputs=ctx.input_hashes,
-            metrics=metrics,
-            extra=extra,
-        )
+        write_hf_manifest(out, ctx, inputs=ctx.input_hashes, metrics=metrics, extra=extra)
     return final
+
+
+def write_hf_manifest(out: Path, ctx: StageContext, **fields: Any) -> None:
+    """artifact.json of an HF checkpoint directory this engine wrote."""
+    write_manifest(out, type="checkpoint_hf", format="hf", stage=ctx.name, engine="local", **fields)

@@ -70,7 +70,8 @@ def warmup_steps(cfg: dict[str, Any]) -> int:
 
 
 def trl_common_args(ctx: StageContext, algo: str, output_dir: Path) -> dict[str, Any]:
-    """Arguments every TRL config takes, mapped from the NeMo-RL schema.
+    """Arguments every TRL config takes, mapped from the NeMo-RL schema (over 60 lines: the mapping
+    table below is most of it).
 
     | NeMo-RL key                                   | TRL / transformers argument        |
     |-----------------------------------------------|------------------------------------|
