@@ -49,5 +49,7 @@ def run_stage(
     if code == 0:
         launcher.check_outputs(list(ctx.outputs.values()))
     else:
-        print(f"alignpipe: stage '{stage}' failed on the {ctx.launcher} launcher (exit {code})", file=sys.stderr)
+        print(
+            f"alignpipe: stage '{stage}' failed on the {ctx.launcher} launcher (exit {code})", file=sys.stderr
+        )
     return code
