@@ -26,16 +26,15 @@ import json
 from typing import Any
 
 from alignpipe.artifacts import (
-    RESOLVED_CONFIG,
     staged_dir,
     write_json_atomic,
-    write_manifest,
     write_text_atomic,
 )
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import training
 from alignpipe.engines.local.convert import make_shareable
+from alignpipe.engines.local.publish import write_record
 from alignpipe.errors import ConfigError
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.heldout import heldout_accuracy, heldout_completions, heldout_settings
@@ -118,14 +117,11 @@ def write_results(ctx: StageContext, metrics: dict[str, Any], samples: list[dict
         write_text_atomic(out / "report.md", markdown_table(metrics))
         comparison_chart(metrics, out / "comparison.png")
         write_text_atomic(out / "samples.jsonl", "".join(json.dumps(s, sort_keys=True) + "\n" for s in samples))
-        write_text_atomic(out / RESOLVED_CONFIG, ctx.resolved_config_yaml())
-        write_manifest(
+        write_record(
             out,
+            ctx,
             type="report",
             format="evaluate-v1",
-            stage=ctx.name,
-            engine="local",
-            inputs=ctx.input_hashes,
             metrics={f"{n}/{k}": v for n, m in policies.items() for k, v in m.items() if k in METRIC_KEYS},
         )
         make_shareable(out)

@@ -23,9 +23,17 @@ def publish_model(
     with staged_dir(final) as out:
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
-        write_text_atomic(out / RESOLVED_CONFIG, ctx.resolved_config_yaml())
-        write_hf_manifest(out, ctx, inputs=ctx.input_hashes, metrics=metrics, extra=extra)
+        write_record(out, ctx, type="checkpoint_hf", format="hf", metrics=metrics, extra=extra)
     return final
+
+
+def write_record(out: Path, ctx: StageContext, *, type: str, format: str, **fields: Any) -> None:
+    """What every output directory of this engine carries: resolved_config.yaml and artifact.json
+    (with the stage's input hashes as lineage)."""
+    write_text_atomic(out / RESOLVED_CONFIG, ctx.resolved_config_yaml())
+    write_manifest(
+        out, type=type, format=format, stage=ctx.name, engine="local", inputs=ctx.input_hashes, **fields
+    )
 
 
 def write_hf_manifest(out: Path, ctx: StageContext, **fields: Any) -> None:
