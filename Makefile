@@ -34,6 +34,7 @@ test: venv
 lint: venv
 	$(BIN)/ruff check alignpipe tests benchmarks
 	$(BIN)/ruff format --check alignpipe tests benchmarks
+	$(BIN)/lint-imports
 
 clean-scratch:
 	rm -rf "$${ALIGNPIPE_SCRATCH:-$$HOME/.cache/alignpipe/scratch}"

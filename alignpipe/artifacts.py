@@ -63,22 +63,11 @@ def _as_if_created_normally(path: Path | str, directory: bool = False) -> None:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON through a temp file and rename, so readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True, default=str)
-            f.write("\n")
-        _as_if_created_normally(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    """Write text through a temp file and rename, so readers never see half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)

@@ -25,13 +25,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def plan_files(root: Path, stage: str, profile: str | None, source: str | None = None) -> dict[str, str]:
     """What ``plan`` shows: the resolved config and the exact launch script, by file name."""
+    from alignpipe.context import build_context, inner_argv
     from alignpipe.launch import get_launcher
     from alignpipe.launch.base import shell_join
-    from alignpipe.stage import build_context, engine_module, inner_argv
+    from alignpipe.stage import engine_module
 
     ctx = build_context(root, stage, profile, source=source)
     engine = engine_module(ctx)
-    launcher_name = ctx.runtime["launcher"] if "nemo_rl" in ctx.contract.engines else "process"
+    launcher_name = ctx.launcher
     launcher = get_launcher(launcher_name, ctx.runtime, ctx.params)
     if hasattr(engine, "plan"):
         files = engine.plan(ctx)

@@ -41,7 +41,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    from alignpipe.engines.local.common import generate
+    from alignpipe.measure.generation import generate
 
     model, tok = build()
     prompts = [f"sort:{i * 7919 % 10000:04d}" for i in range(300)]  # held-out-sized batch

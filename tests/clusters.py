@@ -88,8 +88,8 @@ def stage_root(dst: Path) -> Path:
 
 def stage_env(root: Path) -> dict[str, str]:
     """What ``run_stage`` hands a launcher: forwarded variables, offline flags, the root."""
+    from alignpipe.context import OFFLINE_ENV
     from alignpipe.launch.base import forwarded_env
-    from alignpipe.stage import OFFLINE_ENV
 
     return {**forwarded_env(), **OFFLINE_ENV, "ALIGNPIPE_ROOT": str(root)}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -93,15 +94,36 @@ def repo_copy(tmp_path: Path, monkeypatch) -> Path:
 FAST_SFT = {"sft": {"sft": {"max_num_steps": 40}}}
 
 
+def set_writable(root: Path, writable: bool) -> None:
+    """Add or remove write permission on everything under ``root`` (directories keep x)."""
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        mode = path.stat().st_mode
+        path.chmod(mode | stat.S_IWUSR if writable else mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+
+
+def writable_copy(src: Path, dst: Path) -> Path:
+    """A copy of a (read-only) session fixture's tree that a test may change."""
+    shutil.copytree(src, dst, symlinks=True)
+    set_writable(dst, True)
+    return dst
+
+
 @pytest.fixture(scope="session")
 def trained_sft(tmp_path_factory) -> Path:
-    """A repo copy with prep, base and a briefly trained SFT policy, shared by trainer tests."""
+    """A repo copy with prep, base and a briefly trained SFT policy, shared by trainer tests.
+
+    Read-only, so that test order cannot change results: a test that writes (runs a stage,
+    edits params.yaml) fails loudly with PermissionError; it works on ``writable_copy``.
+    """
     tmp = tmp_path_factory.mktemp("pipeline")
     root = copy_repo(tmp / "repo")
     env = {"ALIGNPIPE_SCRATCH": str(tmp / "scratch")}
     set_params(root, FAST_SFT)
     for stage in ("prep", "base", "sft"):
         run_cli(root, "run", stage, env=env)
+    set_writable(root, False)
     return root
 
 

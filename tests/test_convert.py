@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from alignpipe.artifacts import dvc_hash
-from tests.conftest import run_cli, set_params
+from tests.conftest import run_cli, set_params, writable_copy
 
 
 def logits(model_dir: Path, text: str = "sort:3142"):
@@ -26,8 +26,8 @@ def logits(model_dir: Path, text: str = "sort:3142"):
 
 
 @pytest.mark.slow
-def test_convert_exports_the_same_model_with_card_and_lineage(trained_sft: Path):
-    root = trained_sft
+def test_convert_exports_the_same_model_with_card_and_lineage(trained_sft: Path, tmp_path: Path):
+    root = writable_copy(trained_sft, tmp_path / "repo")
     run_cli(root, "run", "convert", "--source", "sft")
     export = root / "exports" / "sft"
     for name in (
@@ -76,13 +76,9 @@ def test_convert_exports_the_same_model_with_card_and_lineage(trained_sft: Path)
 def test_convert_casts_dtype_on_request(trained_sft: Path, tmp_path: Path):
     import torch
 
-    root = trained_sft
-    params = (root / "params.yaml").read_text()
-    try:
-        set_params(root, {"convert": {"alignpipe": {"export": {"dtype": "bfloat16"}}}})
-        run_cli(root, "run", "convert", "--source", "sft")
-    finally:
-        (root / "params.yaml").write_text(params)
+    root = writable_copy(trained_sft, tmp_path / "repo")
+    set_params(root, {"convert": {"alignpipe": {"export": {"dtype": "bfloat16"}}}})
+    run_cli(root, "run", "convert", "--source", "sft")
     export = root / "exports" / "sft"
     from safetensors import safe_open
 

@@ -15,10 +15,11 @@ import pytest
 from safetensors.torch import load_file
 
 from alignpipe.artifacts import dvc_hash, md5_file, read_manifest
-from alignpipe.engines.local import common
+from alignpipe.context import build_context
+from alignpipe.engines.local import training
 from alignpipe.errors import UnsupportedSetting
-from alignpipe.stage import build_context
-from tests.conftest import OFFLINE, REPO, copy_repo, run_cli, set_params
+from alignpipe.jsonl import read_jsonl
+from tests.conftest import OFFLINE, REPO, copy_repo, run_cli, set_params, writable_copy
 
 # Short run, same code path as the committed profile: validation at steps 0, 20 and 40.
 FAST_DPO = {"dpo": {"dpo": {"max_num_steps": 40, "val_period": 20}}}
@@ -31,9 +32,10 @@ def tsv(path: Path) -> list[tuple[int, float]]:
 
 @pytest.fixture(scope="module")
 def dpo_run(trained_sft: Path, tmp_path_factory) -> Path:
-    set_params(trained_sft, FAST_DPO)
-    run_cli(trained_sft, "run", "dpo", env={"ALIGNPIPE_SCRATCH": str(tmp_path_factory.mktemp("dpo-scratch"))})
-    return trained_sft
+    root = writable_copy(trained_sft, tmp_path_factory.mktemp("dpo") / "repo")
+    set_params(root, FAST_DPO)
+    run_cli(root, "run", "dpo", env={"ALIGNPIPE_SCRATCH": str(tmp_path_factory.mktemp("dpo-scratch"))})
+    return root
 
 
 @pytest.mark.slow
@@ -86,8 +88,8 @@ def test_validation_rewards_match_trls_own(dpo_run: Path, tmp_path: Path):
     policy = AutoModelForCausalLM.from_pretrained(dpo_run / "models" / "dpo", local_files_only=True).eval()
     reference = AutoModelForCausalLM.from_pretrained(dpo_run / "models" / "sft", local_files_only=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(dpo_run / "models" / "dpo", local_files_only=True)
-    rows = common.read_jsonl(dpo_run / "data/prepared/preference/validation.jsonl")[:32]
-    pairs = common.preference_pairs(rows)
+    rows = read_jsonl(dpo_run / "data/prepared/preference/validation.jsonl")[:32]
+    pairs = training.preference_pairs(rows)
     ours = preference_metrics(policy, reference, tokenizer, pairs, beta=0.1, average_log_probs=False)
 
     args = DPOConfig(output_dir=str(tmp_path), beta=0.1, per_device_eval_batch_size=32, use_cpu=True, bf16=False,
@@ -125,7 +127,7 @@ def test_summed_sft_loss_is_refused_not_approximated():
 def _copy_trained(src: Path, dst: Path) -> Path:
     root = copy_repo(dst)
     for rel in ("data/prepared", "models/base", "models/sft"):
-        shutil.copytree(src / rel, root / rel)
+        writable_copy(src / rel, root / rel)
     shutil.copy2(src / "params.yaml", root / "params.yaml")
     cfg = root / "stages" / "dpo" / "config" / "tiny.yaml"
     # checkpoint every 10 steps so an interruption has something to resume from

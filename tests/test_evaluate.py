@@ -9,7 +9,7 @@ import pytest
 
 from alignpipe.engines.local.evaluate import flag_reward_hacking
 from alignpipe.report import comparison_chart, markdown_table
-from tests.conftest import run_cli, set_params
+from tests.conftest import run_cli, set_params, writable_copy
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -63,11 +63,11 @@ def test_report_table_and_chart_show_every_policy_and_the_flag(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_evaluate_compares_policies_on_shared_samples(trained_sft: Path):
+def test_evaluate_compares_policies_on_shared_samples(trained_sft: Path, tmp_path: Path):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    root = trained_sft
+    root = writable_copy(trained_sft, tmp_path / "repo")
     run_cli(root, "run", "convert", "--source", "sft")  # an export identical to models/sft
     # A real (untrained) reward model on the SFT body: the rm stage's architecture, seeded head.
     torch.manual_seed(0)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from alignpipe.context import build_context
 from alignpipe.engines.local import grpo, judge, rlhf
 from alignpipe.errors import ConfigError, UnsupportedSetting
 from alignpipe.rewards.advantages import compute_grpo_advantages
-from alignpipe.stage import build_context
 
 REPO = Path(__file__).resolve().parents[1]
 

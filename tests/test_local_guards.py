@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from alignpipe.engines.local import common
+from alignpipe.engines.local import training
 from alignpipe.errors import UnsupportedSetting
 from tests.conftest import copy_repo, run_cli, set_params
 
 # Every guarded setting, switched on.
-ALL_GUARDED = [(key, on) for key, on, _ in common._GPU_ONLY] + [(key, 2) for key, _ in common._MUST_BE_ONE]
+ALL_GUARDED = [(key, on) for key, on, _ in training._GPU_ONLY] + [(key, 2) for key, _ in training._MUST_BE_ONE]
 
 
 def nested(dotted: str, value) -> dict:
@@ -36,7 +36,7 @@ def merge(base: dict, new: dict) -> dict:
 def test_each_guarded_setting_is_refused_by_name(key, value):
     ctx = SimpleNamespace(name="dpo", profile="tiny", config=merge({"policy": {}}, nested(key, value)))
     with pytest.raises(UnsupportedSetting) as err:
-        common.refuse_gpu_only_settings(ctx)
+        training.refuse_gpu_only_settings(ctx)
     assert key in str(err.value)
     assert "runtime.engine=nemo_rl" in str(err.value)  # says how to get it
 
@@ -50,7 +50,7 @@ def test_settings_left_off_pass():
         },
         "cluster": {"num_nodes": 1},
     }
-    common.refuse_gpu_only_settings(SimpleNamespace(name="rm", profile="tiny", config=off))
+    training.refuse_gpu_only_settings(SimpleNamespace(name="rm", profile="tiny", config=off))
 
 
 # Guarded keys that exist in the rm/dpo tiny profiles (params knobs must name existing keys;

@@ -68,7 +68,7 @@ def test_environment_step_contract_without_ray() -> None:
     assert out.terminateds.tolist() == [True, True]
     assert out.answers == ["12", "21"]
     assert [o["content"] for o in out.observations] == ["Environment: correct", "Environment: incorrect"]
-    batch, metrics = env.global_post_process_and_metrics({"total_reward": [1.0, 0.0, 0.0, 0.0]})
+    batch, metrics = env.global_post_process_and_metrics({"rewards": [1.0, 0.0, 0.0, 0.0]})
     assert metrics == {"accuracy": 0.25, "num_samples": 4.0, "pass@2": 0.5}
 
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from alignpipe.context import build_context
 from alignpipe.engines.nemo_rl import convert as CV
 from alignpipe.engines.nemo_rl.checkpoints import NoCheckpointError, select_checkpoint
 from alignpipe.engines.nemo_rl.engine import publish, render_for
 from alignpipe.engines.nemo_rl.metrics import METRIC_MAP, read_scalars
 from alignpipe.engines.nemo_rl.render import RunPaths
-from alignpipe.stage import build_context
 from tests.conftest import REPO, set_params
 
 PROMPTS = [("sort 312", "123"), ("reverse 45", "54"), ("add 2 3", "5"), ("sort 21", "12")]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from alignpipe.artifacts import md5_file
-from tests.conftest import OFFLINE, run_cli, set_params
+from tests.conftest import OFFLINE, run_cli, set_params, set_writable, writable_copy
 
 pytestmark = pytest.mark.slow
 
@@ -41,16 +41,15 @@ SETTINGS = {
 @pytest.fixture(scope="module")
 def with_rm(trained_sft: Path, tmp_path_factory) -> Path:
     """The shared SFT repo plus a briefly trained reward model (rlhf's input)."""
-    root = tmp_path_factory.mktemp("resume") / "repo"
-    shutil.copytree(trained_sft, root)
+    root = writable_copy(trained_sft, tmp_path_factory.mktemp("resume") / "repo")
     set_params(root, {"rm": SETTINGS["rm"][0]})
     run_cli(root, "run", "rm", env={"ALIGNPIPE_SCRATCH": str(root.parent / "scratch")})
+    set_writable(root, False)
     return root
 
 
 def _copy(src: Path, dst: Path, stage: str) -> tuple[Path, dict[str, str]]:
-    root = dst / "repo"
-    shutil.copytree(src, root)
+    root = writable_copy(src, dst / "repo")
     for out in (root / "models" / stage, root / "results" / stage):
         shutil.rmtree(out, ignore_errors=True)
     set_params(root, {stage: SETTINGS[stage][0]})

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, set_params
+from tests.conftest import run_cli, set_params, writable_copy
 from tests.test_rlvr import curve
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ def rm_repo(trained_sft, tmp_path_factory) -> Path:
     """The shared SFT repo plus a briefly trained reward model from the real rm stage."""
     tmp = tmp_path_factory.mktemp("rlhf")
     root = tmp / "repo"
-    shutil.copytree(trained_sft, root)
+    writable_copy(trained_sft, root)
     set_params(root, {"rm": {"rm": {"max_num_steps": 20}}})
     run_cli(root, "run", "rm", env={"ALIGNPIPE_SCRATCH": str(tmp / "scratch")})
     return root

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import csv
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, set_params
+from tests.conftest import run_cli, set_params, writable_copy
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +34,7 @@ def curve(root: Path, stage: str, name: str) -> list[float]:
 def rlvr_repo(trained_sft, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("rlvr")
     root = tmp / "repo"
-    shutil.copytree(trained_sft, root)
+    writable_copy(trained_sft, root)
     set_params(root, {"rlvr": FAST_RLVR})
     run_cli(root, "run", "rlvr", env={"ALIGNPIPE_SCRATCH": str(tmp / "scratch")})
     return root
@@ -91,7 +90,7 @@ def test_interrupted_run_resumes_from_scratch_and_publishes_once(trained_sft, tm
     from tests.conftest import OFFLINE
 
     root = tmp_path / "repo"
-    shutil.copytree(trained_sft, root)
+    writable_copy(trained_sft, root)
     knobs = {**FAST_RLVR, "grpo": {**FAST_RLVR["grpo"], "max_num_steps": 6}, "checkpointing": {"save_period": 2}}
     set_params(root, {"rlvr": knobs})
     env = {**os.environ, **OFFLINE, "ALIGNPIPE_ROOT": str(root), "ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")}

@@ -10,8 +10,9 @@ import pytest
 from safetensors.torch import load_file
 
 from alignpipe.artifacts import dvc_hash, read_manifest
-from alignpipe.engines.local import common
-from tests.conftest import run_cli, set_params
+from alignpipe.engines.local import training
+from alignpipe.jsonl import read_jsonl
+from tests.conftest import run_cli, set_params, writable_copy
 
 # Short run, same code path as the committed profile. The fixture's SFT policy has only 40
 # steps, and on all three tasks an RM needs hundreds of steps to move off chance from it; on
@@ -31,7 +32,7 @@ def sort_pairs(root: Path) -> None:
     out = root / SORT_DATA
     out.mkdir(exist_ok=True)
     for split in ("train", "validation"):
-        rows = common.read_jsonl(root / f"data/prepared/preference/{split}.jsonl")
+        rows = read_jsonl(root / f"data/prepared/preference/{split}.jsonl")
         (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["task"] == "sort"))
 
 
@@ -42,10 +43,11 @@ def tsv(path: Path) -> list[tuple[int, float]]:
 
 @pytest.fixture(scope="module")
 def rm_run(trained_sft: Path, tmp_path_factory) -> Path:
-    sort_pairs(trained_sft)
-    set_params(trained_sft, FAST_RM)
-    run_cli(trained_sft, "run", "rm", env={"ALIGNPIPE_SCRATCH": str(tmp_path_factory.mktemp("rm-scratch"))})
-    return trained_sft
+    root = writable_copy(trained_sft, tmp_path_factory.mktemp("rm") / "repo")
+    sort_pairs(root)
+    set_params(root, FAST_RM)
+    run_cli(root, "run", "rm", env={"ALIGNPIPE_SCRATCH": str(tmp_path_factory.mktemp("rm-scratch"))})
+    return root
 
 
 @pytest.mark.slow
@@ -89,7 +91,7 @@ def test_rm_reloads_as_a_classifier_and_records_lineage(rm_run: Path):
     assert "score.weight" in rm
 
     # The reloaded model reproduces the published validation accuracy.
-    pairs = common.preference_pairs(common.read_jsonl(rm_run / SORT_DATA / "validation.jsonl"))
+    pairs = training.preference_pairs(read_jsonl(rm_run / SORT_DATA / "validation.jsonl"))
     again = pairwise_metrics(model, tokenizer, pairs)
     published = json.loads((rm_run / "results" / "rm" / "metrics.json").read_text())["val"]
     assert again["val_pairwise_accuracy"] == pytest.approx(published["pairwise_accuracy"], abs=1e-6)

@@ -17,6 +17,19 @@ FORWARDED_NAMES = ("PYTHONHASHSEED", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS"
 _SECRET = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|APIKEY|CREDENTIAL|PRIVATE_KEY|ACCESS_KEY)", re.I)
 
 
+def string_list(key: str, value) -> list[str]:
+    """A params.yaml list-of-strings setting: absent -> [], one string -> [it]."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        from alignpipe.errors import ConfigError
+
+        raise ConfigError(f"params.yaml: {key} must be a list of strings, found {value!r}")
+    return list(value)
+
+
 def is_secret(name: str) -> bool:
     return bool(_SECRET.search(name))
 
@@ -65,15 +78,20 @@ class Launcher(ABC):
         On KeyboardInterrupt/SIGTERM the job is cancelled before the exception propagates.
         """
 
+    def last_job_where(self) -> str:
+        """Where the last job ran (``slurm job 12 ran on node1``), for error messages; "" if unknown."""
+        return ""
+
     def check_outputs(self, outputs: Sequence[Path]) -> None:
         """After a successful remote job: outputs must be visible here (shared filesystem)."""
         missing = [str(p) for p in outputs if not Path(p).exists()]
         if missing:
             from alignpipe.errors import AlignpipeError
 
+            where = self.last_job_where()
             raise AlignpipeError(
                 f"the {self.name} job finished successfully but these outputs are not visible from "
                 f"this host: {', '.join(missing)}. The {self.name} launcher expects the job to write "
                 f"to a filesystem shared with the DVC workspace; mount the repository at the same "
-                f"path on the compute nodes."
+                f"path on the compute nodes." + (f" ({where})" if where else "")
             )

@@ -93,7 +93,7 @@ class ContainerLauncher(Launcher):
 
     @classmethod
     def from_params(cls, runtime: dict[str, Any], params: dict[str, Any]) -> ContainerLauncher:
-        from alignpipe.stage import scratch_root
+        from alignpipe.context import scratch_root
 
         image = runtime.get("image")
         if not image:
@@ -179,7 +179,7 @@ class ContainerLauncher(Launcher):
 
     def command(self, argv, *, stage, workdir):
         names = sorted(forwarded_env())
-        from alignpipe.stage import OFFLINE_ENV
+        from alignpipe.context import OFFLINE_ENV
 
         return self.argv(
             argv, stage=stage, workdir=workdir, env_names=sorted({*names, *OFFLINE_ENV, "ALIGNPIPE_ROOT"})

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from alignpipe.errors import AlignpipeError, ConfigError
-from alignpipe.launch.base import Launcher, is_secret, redact_env, shell_join
+from alignpipe.launch.base import Launcher, is_secret, redact_env, shell_join, string_list
 from alignpipe.launch.interrupt import shielded, sigterm_as_interrupt
 
 POLL_S = 1.0
@@ -73,15 +73,7 @@ class RaySettings:
             else:
                 values[key] = {str(k): (str(v) if key == "env_vars" else v) for k, v in value.items()}
         for key in ("pip", "setup"):
-            value = values.get(key)
-            if value is None:
-                values[key] = []
-            elif isinstance(value, str):
-                values[key] = [value]
-            elif not isinstance(value, list | tuple):
-                raise ConfigError(f"params.yaml: ray.{key} must be a list of strings, found {value!r}")
-            else:
-                values[key] = [str(v) for v in value]
+            values[key] = string_list(f"ray.{key}", values.get(key))
         return cls(**values)
 
 
@@ -260,14 +252,9 @@ class RayJobLauncher(Launcher):
         except Exception as e:  # the interrupt must still propagate; say what went wrong
             print(f"alignpipe: could not stop Ray job {submission_id}: {e}", file=out, flush=True)
 
-    def check_outputs(self, outputs: Sequence[Path]) -> None:
-        try:
-            super().check_outputs(outputs)
-        except AlignpipeError as e:
-            job = self.last_job or {}
-            raise AlignpipeError(
-                f"{e} (Ray job {job.get('job_id', '?')} ran its driver on node {job.get('driver_node_id') or '?'})"
-            ) from None
+    def last_job_where(self) -> str:
+        job = self.last_job or {}
+        return f"Ray job {job.get('job_id', '?')} ran its driver on node {job.get('driver_node_id') or '?'}"
 
 
 def exit_code(status: Any, driver_exit_code: int | None, message: str | None) -> int:

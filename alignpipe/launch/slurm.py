@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from alignpipe.errors import AlignpipeError, ConfigError
-from alignpipe.launch.base import Launcher, shell_join
+from alignpipe.launch.base import Launcher, shell_join, string_list
 from alignpipe.launch.interrupt import shielded, sigterm_as_interrupt
 
 # How long to wait for sbatch to notice a cancelled job before giving up on it.
@@ -74,15 +74,7 @@ class SlurmSettings:
             )
         values = {k: v for k, v in section.items()}
         for key in ("container_mounts", "extra_args", "setup", "ray_head_args", "ray_worker_args"):
-            value = values.get(key)
-            if value is None:
-                values[key] = []
-            elif isinstance(value, str):
-                values[key] = [value]
-            elif not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
-                raise ConfigError(f"params.yaml: slurm.{key} must be a list of strings, found {value!r}")
-            else:
-                values[key] = list(value)
+            values[key] = string_list(f"slurm.{key}", values.get(key))
         for key in ("nodes", "gpus_per_node", "ray_port", "ray_start_timeout_s"):
             if key in values and (not isinstance(values[key], int) or isinstance(values[key], bool)):
                 raise ConfigError(f"params.yaml: slurm.{key} must be an integer, found {values[key]!r}")
@@ -179,6 +171,7 @@ class SlurmLauncher(Launcher):
         return prefix
 
     def render_script(self, argv: Sequence[str], *, stage: str, workdir: Path) -> str:
+        # Over 60 lines: one sbatch script template, in the order the script runs.
         s = self.settings
         workdir_q = shlex.quote(str(workdir))
         lines = [
@@ -352,14 +345,9 @@ class SlurmLauncher(Launcher):
         self.last_job = record
         return record
 
-    def check_outputs(self, outputs: Sequence[Path]) -> None:
-        try:
-            super().check_outputs(outputs)
-        except AlignpipeError as e:
-            job = self.last_job or {}
-            raise AlignpipeError(
-                f"{e} (slurm job {job.get('job_id', '?')} ran on {job.get('nodes') or '?'})"
-            ) from None
+    def last_job_where(self) -> str:
+        job = self.last_job or {}
+        return f"slurm job {job.get('job_id', '?')} ran on {job.get('nodes') or '?'}"
 
 
 class _LogTail:

@@ -5,31 +5,8 @@
 advantages) are imported lazily.
 """
 
+from alignpipe.rewards import verifiers
 from alignpipe.rewards.shaping import ShapingConfig, format_ok, shape_reward, shape_rewards
-from alignpipe.rewards.verifiers import (
-    VERIFIERS,
-    UnknownVerifierError,
-    Verifier,
-    exact_match,
-    get_verifier,
-    numeric_match,
-    parse_number,
-    score_completion,
-    score_completions,
-)
+from alignpipe.rewards.verifiers import *  # noqa: F403 - exactly verifiers.__all__, listed once there
 
-__all__ = [
-    "ShapingConfig",
-    "format_ok",
-    "shape_reward",
-    "shape_rewards",
-    "VERIFIERS",
-    "UnknownVerifierError",
-    "Verifier",
-    "exact_match",
-    "get_verifier",
-    "numeric_match",
-    "parse_number",
-    "score_completion",
-    "score_completions",
-]
+__all__ = ["ShapingConfig", "format_ok", "shape_reward", "shape_rewards", *verifiers.__all__]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from alignpipe import tiny
-from alignpipe.engines.local import common
-from alignpipe.stage import StageContext
+from alignpipe.context import StageContext
+from alignpipe.engines.local import publish
 
 
 def corpus(prepared) -> list[str]:
@@ -37,7 +37,7 @@ def run(ctx: StageContext) -> None:
         raise SystemExit(f"no text found under {ctx.input('data')}; run the prep stage first")
     tokenizer = tiny.train_char_tokenizer(texts, min_frequency=cfg["tokenizer"].get("min_frequency", 1))
     model = tiny.build_causal_lm(tokenizer, cfg["model"], seed=ctx.seed)
-    common.publish_model(
+    publish.publish_model(
         ctx, "model", model, tokenizer, {"parameters": tiny.count_parameters(model), "vocab_size": len(tokenizer)}
     )
     print(f"base: {tiny.count_parameters(model):,} parameters, vocabulary {len(tokenizer)}")

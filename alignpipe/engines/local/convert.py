@@ -35,13 +35,13 @@ from alignpipe.artifacts import (
     dvc_hash,
     read_manifest,
     staged_dir,
-    write_manifest,
     write_text_atomic,
 )
 from alignpipe.config import get_path
-from alignpipe.engines.local import common
+from alignpipe.context import StageContext
+from alignpipe.engines.local import training
+from alignpipe.engines.local.publish import write_hf_manifest
 from alignpipe.errors import AlignpipeError, ConfigError
-from alignpipe.stage import StageContext
 
 HF_FORMATS = ("hf", "hf_consolidated")
 # artifact.json format -> NeMo-RL checkpoint format (alignpipe.engines.nemo_rl.convert). The
@@ -113,7 +113,7 @@ def run_converter(ctx: StageContext, argv: list[str]) -> None:
         code = subprocess.run(argv, cwd=ctx.runtime.get("nemo_rl_dir", "/opt/nemo-rl")).returncode
     else:
         fmt = argv[1].rsplit("/", 1)[-1]
-        if ctx.runtime["engine"] != "nemo_rl" or ctx.runtime["launcher"] == "process":
+        if ctx.nemo_rl_launcher in (None, "process"):
             raise ConfigError(
                 f"{ctx.input('checkpoint')} holds a NeMo-RL checkpoint ({fmt}); NeMo-RL's converter needs "
                 f"NeMo-RL, which is not installed here, and runtime.engine={ctx.runtime['engine']} / "
@@ -124,7 +124,7 @@ def run_converter(ctx: StageContext, argv: list[str]) -> None:
         from alignpipe.launch import get_launcher
         from alignpipe.launch.base import forwarded_env
 
-        launcher = get_launcher(ctx.runtime["launcher"], ctx.runtime, ctx.params)
+        launcher = get_launcher(ctx.nemo_rl_launcher, ctx.runtime, ctx.params)
         code = launcher.run(argv, stage=f"{ctx.name}@{ctx.source}", workdir=ctx.root, env=forwarded_env())
     if code != 0:
         raise AlignpipeError(f"NeMo-RL converter failed (exit {code}): {' '.join(argv)}")
@@ -166,7 +166,7 @@ def verify_export(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from alignpipe.engines.local.common import generate, user_turn
+    from alignpipe.measure.generation import generate, user_turn
 
     model = AutoModelForCausalLM.from_pretrained(export_dir, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(export_dir, local_files_only=True)
@@ -209,7 +209,7 @@ def verify_export(
 
 
 def verification_prompts(ctx: StageContext, settings: dict[str, Any]) -> list[str]:
-    from alignpipe.engines.local.common import read_jsonl
+    from alignpipe.jsonl import read_jsonl
 
     path = ctx.root / settings.get("data_path", "data/prepared/rlvr/test.jsonl")
     if not path.is_file():
@@ -231,6 +231,7 @@ def model_card(
     ctx: StageContext, manifest: dict[str, Any], source_hash: str, verification: dict[str, Any], dtype: str
 ) -> str:
     """README.md: what this model is, where it came from (content hashes), how good, how to load it."""
+    # Over 60 lines: one markdown template, read top to bottom like the card it writes.
     stage = manifest.get("stage", ctx.source)
     metrics = manifest.get("metrics") or {}
     headline = {
@@ -340,7 +341,7 @@ def plan(ctx: StageContext) -> dict[str, str]:
 def run(ctx: StageContext) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    common.apply_torch_threads(ctx)  # tiny: 1 thread (benchmarks/RESULTS.md)
+    training.apply_torch_threads(ctx)  # tiny: 1 thread (benchmarks/RESULTS.md)
     export = dict(get_path(ctx.config, "alignpipe.export", {}) or {})
     dtype = export.get("dtype")
     if dtype is not None and dtype not in DTYPES:
@@ -384,12 +385,9 @@ def run(ctx: StageContext) -> None:
         write_text_atomic(
             out / "README.md", model_card(ctx, manifest, source_hash, verification, final_dtype)
         )
-        write_manifest(
+        write_hf_manifest(
             out,
-            type="checkpoint_hf",
-            format="hf",
-            stage=ctx.name,
-            engine="local",
+            ctx,
             image=manifest.get("image"),
             inputs={
                 "checkpoint": {

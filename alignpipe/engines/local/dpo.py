@@ -6,7 +6,7 @@ The loss is NeMo-RL's DPOLossFn (§8.3):
 with implicit reward ``r = sum_t (log pi - log pi_ref)`` over the response tokens
 (divided by their number when ``dpo.preference_average_log_probs``).
 
-NeMo-RL ``dpo.yaml`` key -> TRL (see also ``common.trl_common_args``):
+NeMo-RL ``dpo.yaml`` key -> TRL (see also ``training.trl_common_args``):
 
 | NeMo-RL key                                   | TRL DPOConfig / here                                         |
 |-----------------------------------------------|--------------------------------------------------------------|
@@ -26,7 +26,7 @@ NeMo-RL ``dpo.yaml`` key -> TRL (see also ``common.trl_common_args``):
 | checkpointing.save_period / keep_top_k        | save_steps / save_total_limit (scratch dir, resumable)       |
 
 Validation metrics are computed here on the validation split (``preference_metrics``),
-not read from TRL's logs; ``heldout/*`` is ``common.log_heldout``, as for every policy.
+not read from TRL's logs; ``heldout/*`` is ``measure.heldout.log_heldout``, as for every policy.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from __future__ import annotations
 from typing import Any
 
 from alignpipe.config import get_path
-from alignpipe.engines.local import common
+from alignpipe.context import StageContext
+from alignpipe.engines.local import live_log, publish, training
 from alignpipe.errors import UnsupportedSetting
-from alignpipe.stage import StageContext
+from alignpipe.measure.heldout import log_heldout
 
 # trainer / validation log key -> pipeline metric name (same names on the NeMo-RL engine)
 METRICS = {
@@ -170,7 +171,7 @@ def preference_metrics(policy, reference, tokenizer, pairs: list[dict[str, Any]]
 
 def run(ctx: StageContext) -> None:
     # Refuse impossible settings before the (slow) ML imports.
-    common.refuse_gpu_only_settings(ctx)
+    training.refuse_gpu_only_settings(ctx)
     losses = loss_settings(ctx)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -180,18 +181,18 @@ def run(ctx: StageContext) -> None:
     model_path = str(ctx.root / cfg["policy"]["model_name"])
     tokenizer_path = str(ctx.root / get_path(cfg, "policy.tokenizer.name", cfg["policy"]["model_name"]))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    train_pairs, val_pairs = common.preference_splits(ctx, "dpo")
+    train_pairs, val_pairs = training.preference_splits(ctx, "dpo")
 
     model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True)
     # The reference is the same SFT policy, loaded separately and frozen.
     reference = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True).eval()
     reference.requires_grad_(False)
 
-    common.apply_torch_threads(ctx)
-    trl_args = common.trl_common_args(ctx, "dpo", ctx.scratch_dir)
+    training.apply_torch_threads(ctx)
+    trl_args = training.trl_common_args(ctx, "dpo", ctx.scratch_dir)
     # Validation is ours (the callback below), so the trainer never evaluates by itself.
     trl_args.update(eval_strategy="no", eval_steps=None,
-                    max_steps=common.step_budget(ctx, "dpo", len(train_pairs)))
+                    max_steps=training.step_budget(ctx, "dpo", len(train_pairs)))
     args = DPOConfig(
         **trl_args,
         **losses,
@@ -199,10 +200,10 @@ def run(ctx: StageContext) -> None:
         precompute_ref_log_probs=False,
         disable_dropout=True,
     )
-    live = common.open_live(ctx)
+    live = live_log.open_live(ctx)
     average = bool(get_path(cfg, "dpo.preference_average_log_probs", False))
     val_batch = int(get_path(cfg, "dpo.val_micro_batch_size", 64) or 64)
-    validation = common.make_validation_callback(
+    validation = live_log.make_validation_callback(
         live,
         METRICS,
         int(get_path(cfg, "dpo.val_period", 0) or 0) if val_pairs else 0,
@@ -216,17 +217,13 @@ def run(ctx: StageContext) -> None:
         args=args,
         train_dataset=Dataset.from_list(train_pairs),
         processing_class=tokenizer,
-        callbacks=[common.make_live_callback(live, METRICS), validation],
+        callbacks=[live_log.make_live_callback(live, METRICS), validation],
     )
-    common.train_resumable(ctx, trainer, live, METRICS)
-    model = trainer.model
-    if val_pairs and get_path(cfg, "dpo.val_at_end", True) and validation.last_step != trainer.state.global_step:
-        validation.run(model, trainer.state)
+    model = training.train_then_validate(ctx, trainer, live, METRICS, validation, "dpo", bool(val_pairs))
 
-    heldout = common.log_heldout(live, ctx, model, tokenizer)
-    common.publish_live(ctx, live)
-    metrics = common.flat_metrics(live.summary)
-    common.publish_model(ctx, "policy_out", model, tokenizer, metrics)
-    common.clear_scratch(ctx)
+    heldout = log_heldout(live, ctx, model, tokenizer)
+    metrics = live_log.close(ctx, live)
+    publish.publish_model(ctx, "policy_out", model, tokenizer, metrics)
+    training.clear_scratch(ctx)
     print(f"dpo: val/preference_accuracy={metrics.get('val/preference_accuracy')} "
           f"heldout/accuracy={heldout['accuracy']:.3f} -> {ctx.output('policy_out')}")

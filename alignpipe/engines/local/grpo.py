@@ -23,9 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from alignpipe.config import get_path
-from alignpipe.engines.local import common
+from alignpipe.context import StageContext
+from alignpipe.engines.local import live_log, publish, training
 from alignpipe.errors import UnsupportedSetting
-from alignpipe.stage import StageContext
+from alignpipe.jsonl import read_jsonl
+from alignpipe.measure.generation import user_turn
+from alignpipe.measure.heldout import heldout_accuracy, heldout_completions, heldout_settings, log_heldout
+from alignpipe.measure.logprobs import kl_to_reference, load_policy
 
 # TRL log key -> pipeline metric name (same names on the NeMo-RL engine's importer).
 METRICS = {
@@ -74,7 +78,7 @@ _UNSUPPORTED: list[tuple[str, tuple[Any, ...], str]] = [
 
 def refuse_unsupported_grpo(ctx: StageContext) -> None:
     """Fail with every GRPO setting the local engine would silently ignore, not just the first."""
-    common.refuse_gpu_only_settings(ctx)
+    training.refuse_gpu_only_settings(ctx)
     problems = [
         f"{key}={get_path(ctx.config, key)!r}: {why}"
         for key, allowed, why in _UNSUPPORTED
@@ -203,7 +207,7 @@ def make_trainer_class():
 def grpo_args(ctx: StageContext, output_dir: Path) -> dict[str, Any]:
     """GRPOConfig arguments from NeMo-RL's grpo/loss_fn/policy keys (table in stages/rlvr/README.md)."""
     cfg = ctx.config
-    args = common.trl_common_args(ctx, "grpo", output_dir)
+    args = training.trl_common_args(ctx, "grpo", output_dir)
     prompts = int(get_path(cfg, "grpo.num_prompts_per_step", 8))
     group = int(get_path(cfg, "grpo.num_generations_per_prompt", 8))
     global_bs = int(get_path(cfg, "policy.train_global_batch_size", prompts * group))
@@ -255,15 +259,7 @@ def grpo_args(ctx: StageContext, output_dir: Path) -> dict[str, Any]:
 def conversational(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Prepared rows -> TRL conversational prompts, with the columns rewards need kept."""
     keep = [c for c in RewardFn.columns if any(c in r for r in rows)]
-    return [{"prompt": common.user_turn(r["prompt"]), **{c: r.get(c) for c in keep}} for r in rows]
-
-
-def load_policy(path: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-    return model, tokenizer
+    return [{"prompt": user_turn(r["prompt"]), **{c: r.get(c) for c in keep}} for r in rows]
 
 
 # ----------------------------------------------------------------------------- held-out
@@ -271,53 +267,16 @@ def load_policy(path: str):
 
 def sample_heldout(ctx: StageContext, model, tokenizer) -> tuple[list[dict], list[str]]:
     """The held-out rows and this model's seeded samples: the very completions ``heldout_accuracy`` scores."""
-    settings = common.heldout_settings(ctx)
-    rows = common.read_jsonl(ctx.root / settings["data_path"])
-    return rows, common.heldout_completions(model, tokenizer, rows, settings)
-
-
-def sequence_logprobs(model, tokenizer, prompts: list[str], completions: list[str], batch_size: int = 128):
-    """Sum of log-probs of each completion (plus the end-of-turn token) given its chat-formatted prompt."""
-    import torch
-
-    out: list[float] = []
-    model.eval()
-    for start in range(0, len(prompts), batch_size):
-        ids, masks = [], []
-        for p, c in zip(prompts[start : start + batch_size], completions[start : start + batch_size], strict=True):
-            text = tokenizer.apply_chat_template(common.user_turn(p), tokenize=False, add_generation_prompt=True)
-            prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            comp_ids = tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            ids.append(list(prompt_ids) + comp_ids)
-            masks.append([0] * len(prompt_ids) + [1] * len(comp_ids))
-        width = max(len(x) for x in ids)
-        input_ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in ids])
-        attention = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
-        loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
-        with torch.no_grad():
-            logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-        out.extend((logp * loss_mask[:, 1:]).sum(-1).tolist())
-    return out
-
-
-def kl_to_reference(policy, reference, tokenizer, rows: list[dict], completions: list[str]) -> float:
-    """Monte-Carlo KL(policy || reference) per sequence on the policy's own held-out samples.
-
-    Mean of ``log pi(y|x) - log ref(y|x)`` over y ~ pi: the sequence-level KL drift, measured
-    the same way whatever ``loss_fn.reference_policy_kl_penalty`` is (also when it is 0).
-    """
-    prompts = [r["prompt"] for r in rows]
-    lp = sequence_logprobs(policy, tokenizer, prompts, completions)
-    lr = sequence_logprobs(reference, tokenizer, prompts, completions)
-    return sum(a - b for a, b in zip(lp, lr, strict=True)) / max(1, len(lp))
+    settings = heldout_settings(ctx)
+    rows = read_jsonl(ctx.root / settings["data_path"])
+    return rows, heldout_completions(model, tokenizer, rows, settings)
 
 
 def log_reference_heldout(live, ctx: StageContext, reference, tokenizer) -> dict[str, float]:
     """The SFT reference's held-out accuracy, same definition and seed, as ``heldout/*_reference``."""
-    settings = common.heldout_settings(ctx)
-    rows = common.read_jsonl(ctx.root / settings["data_path"])
-    result = common.heldout_accuracy(reference, tokenizer, rows, settings)
+    settings = heldout_settings(ctx)
+    rows = read_jsonl(ctx.root / settings["data_path"])
+    result = heldout_accuracy(reference, tokenizer, rows, settings)
     out = {f"{k}_reference": v for k, v in result.items()}
     live.summary.setdefault("heldout", {}).update(out)
     return out
@@ -333,32 +292,27 @@ def run_grpo(ctx: StageContext, reward_fn: RewardFn, *, data_key: str = "data.tr
     ``after_training(live, policy, reference, tokenizer)`` lets a stage add its own held-out
     metrics (rlhf: reward-model scores) before the summary is written.
     """
-    import torch
     from datasets import Dataset
     from trl import GRPOConfig
 
     refuse_unsupported_grpo(ctx)
     cfg = ctx.config
-    threads = get_path(cfg, "alignpipe.torch_threads")
-    if threads:
-        # Tiny matrices gain nothing from intra-op threads; on a busy machine the idle
-        # threads spin and cost ~9x the CPU time per step (measured, benchmarks/grpo_stages.md).
-        torch.set_num_threads(int(threads))
+    training.apply_torch_threads(ctx)  # ~9x less CPU per GRPO step on a busy box (benchmarks/grpo_stages.md)
     policy_path = str(ctx.input("policy"))
     model, tokenizer = load_policy(policy_path)
     tokenizer.padding_side = "left"  # TRL generates from left-padded prompts
 
-    train_rows = common.read_jsonl(ctx.root / get_path(cfg, data_key))
+    train_rows = read_jsonl(ctx.root / get_path(cfg, data_key))
     train = Dataset.from_list(conversational(train_rows))
     val_path = get_path(cfg, "data.validation.data_path")
     val = None
     if val_path and int(get_path(cfg, "grpo.val_period", 0) or 0):
-        val_rows = common.read_jsonl(ctx.root / val_path)
+        val_rows = read_jsonl(ctx.root / val_path)
         limit = get_path(cfg, "grpo.max_val_samples")
         val = Dataset.from_list(conversational(val_rows[: int(limit)] if limit else val_rows))
 
     args = GRPOConfig(**grpo_args(ctx, ctx.scratch_dir))
-    live = common.open_live(ctx)
+    live = live_log.open_live(ctx)
     trainer_cls = make_trainer_class()
     trainer = trainer_cls(
         model=model,
@@ -367,28 +321,28 @@ def run_grpo(ctx: StageContext, reward_fn: RewardFn, *, data_key: str = "data.tr
         train_dataset=train,
         eval_dataset=val,
         processing_class=tokenizer,
-        callbacks=[common.make_live_callback(live, METRICS)],
+        callbacks=[live_log.make_live_callback(live, METRICS)],
         normalize_rewards=bool(get_path(cfg, "grpo.normalize_rewards", True)),
         leave_one_out_baseline=bool(get_path(cfg, "grpo.use_leave_one_out_baseline", True)),
         advantage_clip=(get_path(cfg, "grpo.advantage_clip_low"), get_path(cfg, "grpo.advantage_clip_high")),
     )
-    common.train_resumable(ctx, trainer, live, METRICS)
+    training.train_resumable(ctx, trainer, live, METRICS)
     if val is not None and get_path(cfg, "grpo.val_at_end", False):
-        common.log_to_live(live, METRICS, trainer.evaluate(), trainer.state.global_step)
+        live_log.log_to_live(live, METRICS, trainer.evaluate(), trainer.state.global_step)
     policy = trainer.model
     policy.eval()
 
     reference, _ = load_policy(policy_path)
-    heldout = common.log_heldout(live, ctx, policy, tokenizer)
+    heldout = log_heldout(live, ctx, policy, tokenizer)
     ref = log_reference_heldout(live, ctx, reference, tokenizer)
     rows, completions = sample_heldout(ctx, policy, tokenizer)
-    kl = kl_to_reference(policy, reference, tokenizer, rows, completions)
+    max_new = int(heldout_settings(ctx).get("max_new_tokens", 16))
+    kl = kl_to_reference(policy, reference, tokenizer, [r["prompt"] for r in rows], completions, max_new)
     live.summary.setdefault("heldout", {})["kl_to_reference"] = kl
     extra = after_training(live, policy, reference, tokenizer) if after_training else {}
-    common.publish_live(ctx, live)
-    metrics = common.flat_metrics(live.summary)
-    common.publish_model(ctx, "policy_out", policy, tokenizer, metrics)
-    common.clear_scratch(ctx)
+    metrics = live_log.close(ctx, live)
+    publish.publish_model(ctx, "policy_out", policy, tokenizer, metrics)
+    training.clear_scratch(ctx)
     print(
         f"{ctx.name}: heldout/accuracy={heldout['accuracy']:.3f} (SFT reference {ref['accuracy_reference']:.3f}), "
         f"kl_to_reference={kl:.3f}{''.join(f', {k}={v:.3f}' for k, v in extra.items())} -> {ctx.output('policy_out')}",

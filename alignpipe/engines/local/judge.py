@@ -140,7 +140,7 @@ def load_judge(cfg: JudgeConfig, resolve: Callable[[str], str]) -> Generate:
     """A greedy generator over the judge model (chat-formatted user turn, like every stage)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from alignpipe.engines.local.common import generate
+    from alignpipe.measure.generation import generate
 
     path = resolve(cfg.model_name)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

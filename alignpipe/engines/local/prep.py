@@ -4,23 +4,21 @@ from __future__ import annotations
 
 import os
 
-from alignpipe.artifacts import RESOLVED_CONFIG, staged_dir, write_manifest, write_text_atomic
+from alignpipe.artifacts import staged_dir
+from alignpipe.context import StageContext
 from alignpipe.data.prepare import prepare
-from alignpipe.stage import StageContext
+from alignpipe.engines.local.publish import write_record
 
 
 def run(ctx: StageContext) -> None:
     with staged_dir(ctx.output("prepared")) as out:
         os.chmod(out, 0o755)  # mkdtemp makes it 0700; data/prepared is shared with every stage
         manifest = prepare(ctx.config, ctx.root, out)
-        write_text_atomic(out / RESOLVED_CONFIG, ctx.resolved_config_yaml())
-        write_manifest(
+        write_record(
             out,
+            ctx,
             type="training_jsonl",
             format="jsonl",
-            stage=ctx.name,
-            engine="local",
-            inputs=ctx.input_hashes,
             metrics={
                 "rows": manifest["total_rows"],
                 "duplicates_removed": manifest["duplicates_removed"]["total"],

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from alignpipe.config import get_path
+from alignpipe.context import StageContext
 from alignpipe.engines.local import grpo
-from alignpipe.stage import StageContext
 
 
 def verifier_score(shaping: dict[str, Any] | None) -> Callable[..., list[float]]:

@@ -6,7 +6,7 @@ preference pairs with NeMo-RL's loss (§8.4): ``mean(-logsigmoid(r_chosen - r_re
 where ``r`` is the score at the last non-pad token. Pairs are conversational, so the chat
 template wraps prompt and answer exactly as it did in SFT.
 
-NeMo-RL ``rm.yaml`` key -> TRL (see also ``common.trl_common_args``):
+NeMo-RL ``rm.yaml`` key -> TRL (see also ``training.trl_common_args``):
 
 | NeMo-RL key                                  | TRL / here                                              |
 |----------------------------------------------|---------------------------------------------------------|
@@ -29,9 +29,9 @@ from __future__ import annotations
 from typing import Any
 
 from alignpipe.config import get_path
-from alignpipe.engines.local import common
+from alignpipe.context import StageContext
+from alignpipe.engines.local import live_log, publish, training
 from alignpipe.errors import UnsupportedSetting
-from alignpipe.stage import StageContext
 
 # trainer / validation log key -> pipeline metric name (same names on the NeMo-RL engine)
 METRICS = {
@@ -123,7 +123,7 @@ def load_reward_model(path: str, tokenizer):
 
 def run(ctx: StageContext) -> None:
     # Refuse impossible settings before the (slow) ML imports.
-    common.refuse_gpu_only_settings(ctx)
+    training.refuse_gpu_only_settings(ctx)
     check_reward_model_cfg(ctx)
     from datasets import Dataset
     from transformers import AutoTokenizer, set_seed
@@ -133,13 +133,13 @@ def run(ctx: StageContext) -> None:
     model_path = str(ctx.root / cfg["policy"]["model_name"])
     tokenizer_path = str(ctx.root / get_path(cfg, "policy.tokenizer.name", cfg["policy"]["model_name"]))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    train_pairs, val_pairs = common.preference_splits(ctx, "rm")
+    train_pairs, val_pairs = training.preference_splits(ctx, "rm")
 
-    common.apply_torch_threads(ctx)
-    trl_args = common.trl_common_args(ctx, "rm", ctx.scratch_dir)
+    training.apply_torch_threads(ctx)
+    trl_args = training.trl_common_args(ctx, "rm", ctx.scratch_dir)
     # Validation is ours (the callback below), so the trainer never evaluates by itself.
     trl_args.update(eval_strategy="no", eval_steps=None,
-                    max_steps=common.step_budget(ctx, "rm", len(train_pairs)))
+                    max_steps=training.step_budget(ctx, "rm", len(train_pairs)))
     # The score head is initialised randomly: seed it so a rerun builds the same head.
     set_seed(trl_args["seed"])
     model = load_reward_model(model_path, tokenizer)
@@ -149,9 +149,9 @@ def run(ctx: StageContext) -> None:
         max_length=int(cfg["policy"]["max_total_sequence_length"]),
         disable_dropout=True,
     )
-    live = common.open_live(ctx)
+    live = live_log.open_live(ctx)
     val_batch = int(get_path(cfg, "rm.val_micro_batch_size", 64) or 64)
-    validation = common.make_validation_callback(
+    validation = live_log.make_validation_callback(
         live,
         METRICS,
         int(get_path(cfg, "rm.val_period", 0) or 0) if val_pairs else 0,
@@ -163,17 +163,13 @@ def run(ctx: StageContext) -> None:
         args=args,
         train_dataset=Dataset.from_list(train_pairs),
         processing_class=tokenizer,
-        callbacks=[common.make_live_callback(live, METRICS), validation],
+        callbacks=[live_log.make_live_callback(live, METRICS), validation],
     )
-    common.train_resumable(ctx, trainer, live, METRICS)
-    model = trainer.model
-    if val_pairs and get_path(cfg, "rm.val_at_end", True) and validation.last_step != trainer.state.global_step:
-        validation.run(model, trainer.state)
+    model = training.train_then_validate(ctx, trainer, live, METRICS, validation, "rm", bool(val_pairs))
 
-    common.publish_live(ctx, live)
-    metrics = common.flat_metrics(live.summary)
-    common.publish_model(ctx, "reward_model", model, tokenizer, metrics,
+    metrics = live_log.close(ctx, live)
+    publish.publish_model(ctx, "reward_model", model, tokenizer, metrics,
                          extra={"reward_model_type": "bradley_terry"})
-    common.clear_scratch(ctx)
+    training.clear_scratch(ctx)
     acc = metrics.get("val/pairwise_accuracy")
     print(f"rm: val/pairwise_accuracy={acc if acc is None else f'{acc:.3f}'} -> {ctx.output('reward_model')}")

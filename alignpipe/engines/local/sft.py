@@ -8,8 +8,10 @@ room to show gains, and ``heldout/accuracy`` records where SFT leaves off.
 from __future__ import annotations
 
 from alignpipe.config import get_path
-from alignpipe.engines.local import common
-from alignpipe.stage import StageContext
+from alignpipe.context import StageContext
+from alignpipe.engines.local import live_log, publish, training
+from alignpipe.jsonl import read_jsonl
+from alignpipe.measure.heldout import log_heldout
 
 # trainer log key -> pipeline metric name (same names on the NeMo-RL engine)
 METRICS = {
@@ -42,29 +44,29 @@ def run(ctx: StageContext) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    common.refuse_gpu_only_settings(ctx)
-    common.apply_torch_threads(ctx)
+    training.refuse_gpu_only_settings(ctx)
+    training.apply_torch_threads(ctx)
     cfg = ctx.config
     model_path = resolve_model_path(ctx, cfg["policy"]["model_name"])
     tokenizer_path = resolve_model_path(ctx, get_path(cfg, "policy.tokenizer.name", cfg["policy"]["model_name"]))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
     import_from = get_path(cfg, "alignpipe.import_checkpoint")
 
-    live = common.open_live(ctx)
+    live = live_log.open_live(ctx)
     if import_from:
         # Warm start from an existing HF checkpoint instead of training one.
         model = AutoModelForCausalLM.from_pretrained(resolve_model_path(ctx, import_from), local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(ctx, import_from), local_files_only=True)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True)
-        train = Dataset.from_list(to_prompt_completion(common.read_jsonl(ctx.root / cfg["data"]["train"]["data_path"])))
+        train = Dataset.from_list(to_prompt_completion(read_jsonl(ctx.root / cfg["data"]["train"]["data_path"])))
         val_path = get_path(cfg, "data.validation.data_path")
-        val = Dataset.from_list(to_prompt_completion(common.read_jsonl(ctx.root / val_path))) if val_path else None
+        val = Dataset.from_list(to_prompt_completion(read_jsonl(ctx.root / val_path))) if val_path else None
         if val is not None and get_path(cfg, "sft.val_batches"):
             n = int(cfg["sft"]["val_batches"]) * int(cfg["sft"].get("val_global_batch_size", 32))
             val = val.select(range(min(n, len(val))))
         args = SFTConfig(
-            **common.trl_common_args(ctx, "sft", ctx.scratch_dir),
+            **training.trl_common_args(ctx, "sft", ctx.scratch_dir),
             max_length=int(cfg["policy"]["max_total_sequence_length"]),
             packing=False,
             completion_only_loss=True,
@@ -76,16 +78,15 @@ def run(ctx: StageContext) -> None:
             train_dataset=train,
             eval_dataset=val,
             processing_class=tokenizer,
-            callbacks=[common.make_live_callback(live, METRICS)],
+            callbacks=[live_log.make_live_callback(live, METRICS)],
         )
-        common.train_resumable(ctx, trainer, live, METRICS)
+        training.train_resumable(ctx, trainer, live, METRICS)
         if val is not None and get_path(cfg, "sft.val_at_end", True):
-            common.log_to_live(live, METRICS, trainer.evaluate(), trainer.state.global_step)
+            live_log.log_to_live(live, METRICS, trainer.evaluate(), trainer.state.global_step)
         model = trainer.model
 
-    heldout = common.log_heldout(live, ctx, model, tokenizer)
-    common.publish_live(ctx, live)
-    metrics = common.flat_metrics(live.summary)
-    common.publish_model(ctx, "policy", model, tokenizer, metrics)
-    common.clear_scratch(ctx)
+    heldout = log_heldout(live, ctx, model, tokenizer)
+    metrics = live_log.close(ctx, live)
+    publish.publish_model(ctx, "policy", model, tokenizer, metrics)
+    training.clear_scratch(ctx)
     print(f"sft: heldout/accuracy={heldout['accuracy']:.3f} -> {ctx.output('policy')}")

@@ -206,7 +206,8 @@ def heldout_for(ctx, model_dir: Path) -> dict[str, float] | None:
         return None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from alignpipe.engines.local.common import heldout_accuracy, read_jsonl
+    from alignpipe.jsonl import read_jsonl
+    from alignpipe.measure.heldout import heldout_accuracy
 
     rows = read_jsonl(ctx.root / settings.get("data_path", "data/prepared/rlvr/test.jsonl"))
     if settings.get("limit"):
@@ -329,17 +330,16 @@ def run(ctx, *, runner: CommandRunner = run_command) -> None:
 
 def plan(ctx) -> dict[str, str]:
     """``<stage>.nemo_rl.yaml`` (the rendered config) and ``<stage>.launch.sh`` (container + entry)."""
+    from alignpipe.context import OFFLINE_ENV, inner_argv
     from alignpipe.launch import get_launcher
     from alignpipe.launch.base import shell_join
-    from alignpipe.stage import inner_argv
 
     paths = RunPaths(ctx.scratch_dir)
     cfg = render_for(ctx, paths.scratch)
     entry = entry_argv(ctx.name, cfg, paths.config)
-    launcher_name = ctx.runtime.get("launcher", "container")
+    launcher_name = ctx.launcher
     launcher = get_launcher(launcher_name, ctx.runtime, ctx.params)
     outer = launcher.command(inner_argv(ctx), stage=ctx.name, workdir=ctx.root)
-    from alignpipe.stage import OFFLINE_ENV
 
     pinned_env = {**OFFLINE_ENV, "ALIGNPIPE_ROOT": str(ctx.root)}
     script = (

@@ -164,7 +164,13 @@ class _VerifierEnvironment(EnvironmentInterface):  # type: ignore[misc,valid-typ
         )
 
     def global_post_process_and_metrics(self, batch):
-        rewards = [float(r) for r in batch["total_reward"]]
+        # The rollout batch's per-sample rewards are under "rewards" (NeMo-RL v0.7.0's own
+        # MathEnvironment reads them there; column 0 for multi-reward envs). There is no
+        # "total_reward" key in what NeMo-RL passes.
+        rewards = batch["rewards"]
+        if getattr(rewards, "ndim", 1) > 1:
+            rewards = rewards[:, 0]
+        rewards = [float(r) for r in rewards]
         group = self.cfg.get("num_generations_per_prompt")
         return batch, batch_metrics(rewards, group)
 

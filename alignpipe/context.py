@@ -1,0 +1,166 @@
+"""What a stage knows about its run: paths, resolved config, runtime (engine, launcher), scratch
+and the offline environment. Ground floor: engines and launchers read it; stage.py runs it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from alignpipe import config as C
+from alignpipe.artifacts import dvc_hash
+from alignpipe.errors import ConfigError
+
+ENGINES = ("local", "nemo_rl")
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def set_offline_env() -> None:
+    """No network at run time: models and data come from paths or the local cache."""
+    for k, v in OFFLINE_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+def runtime_settings(params: dict[str, Any], profile: str) -> dict[str, Any]:
+    """params.yaml ``runtime`` with ``auto`` engine/launcher decided from the profile."""
+    runtime = dict(params.get("runtime") or {})
+    engine = runtime.get("engine", "auto")
+    if engine == "auto":
+        engine = "local" if profile == "tiny" else "nemo_rl"
+    if engine not in ENGINES:
+        raise ConfigError(f"params.yaml: runtime.engine '{engine}' is not one of auto, {', '.join(ENGINES)}")
+    launcher = runtime.get("launcher", "auto")
+    if launcher == "auto":
+        launcher = "process" if engine == "local" else "container"
+    runtime.update(engine=engine, launcher=launcher)
+    return runtime
+
+
+def scratch_root(params: dict[str, Any]) -> Path:
+    """Where resumable checkpoints live: outside DVC outs, which DVC deletes before a run."""
+    configured = os.environ.get("ALIGNPIPE_SCRATCH") or (params.get("runtime") or {}).get("scratch_dir")
+    return Path(configured or Path.home() / ".cache" / "alignpipe" / "scratch").expanduser()
+
+
+@dataclass
+class StageContext:
+    """Everything an engine needs to run one stage."""
+
+    name: str
+    root: Path
+    params: dict[str, Any]
+    profile: str
+    config: dict[str, Any]
+    contract: C.StageContract
+    runtime: dict[str, Any] = field(default_factory=dict)
+    # The item of a DVC `foreach` stage (convert@dpo -> "dpo"); fills `{source}` in stage.toml paths.
+    source: str | None = None
+
+    @property
+    def engine(self) -> str:
+        return self.runtime["engine"] if "nemo_rl" in self.contract.engines else "local"
+
+    @property
+    def launcher(self) -> str:
+        """Where the trainer runs: the one launcher choice (local-only stages run in this process)."""
+        return self.runtime["launcher"] if "nemo_rl" in self.contract.engines else "process"
+
+    @property
+    def nemo_rl_launcher(self) -> str | None:
+        """The launcher NeMo-RL work (training, its converter) runs through; None on the CPU engine."""
+        return self.runtime["launcher"] if self.runtime["engine"] == "nemo_rl" else None
+
+    @property
+    def seed(self) -> int:
+        return int(self.params.get("seed", 42))
+
+    def input(self, name: str) -> Path:
+        return self.root / self.contract.port(name).path
+
+    def output(self, name: str) -> Path:
+        return self.root / self.contract.port(name).path
+
+    @property
+    def inputs(self) -> dict[str, Path]:
+        return {p.name: self.root / p.path for p in self.contract.consumes}
+
+    @property
+    def outputs(self) -> dict[str, Path]:
+        return {p.name: self.root / p.path for p in self.contract.produces}
+
+    @functools.cached_property
+    def input_hashes(self) -> dict[str, dict[str, str]]:
+        """DVC-style content hashes of every present input: the lineage of what we make."""
+        return {
+            name: {"path": str(path.relative_to(self.root)), "hash": dvc_hash(path)}
+            for name, path in self.inputs.items()
+            if path.exists()
+        }
+
+    @functools.cached_property
+    def run_key(self) -> str:
+        """Identifies this exact run: resolved config plus input content."""
+        return C.config_hash({"config": self.config, "inputs": self.input_hashes, "engine": self.engine})[:16]
+
+    @property
+    def scratch_dir(self) -> Path:
+        """Resumable checkpoints for this run; removed once the stage publishes."""
+        return scratch_root(self.params) / self.root.name / self.name / self.run_key
+
+    def resolved_config_yaml(self) -> str:
+        header = (
+            f"# Effective config of stage '{self.name}' (profile '{self.profile}', engine '{self.engine}').\n"
+            f"# Layers: stages/{self.name}/config/{self.profile}.yaml <- params.yaml '{self.name}' knobs <- seed.\n"
+        )
+        return header + C.to_yaml(self.config)
+
+
+def build_context(
+    root: Path, stage: str, profile: str | None = None, params: dict | None = None, source: str | None = None
+) -> StageContext:
+    params = C.load_params(root) if params is None else params
+    if (
+        profile
+        and profile != params.get("profile", "tiny")
+        and (root / "conf" / "profile" / f"{profile}.yaml").is_file()
+    ):
+        # `--profile P` means what `dvc exp run -S profile=P` would run: P's knobs from conf/,
+        # not the committed profile's (tiny knobs such as lr=2e-3 must not leak into a GPU config).
+        params = yaml.safe_load(C.compose_params_text(root, [f"profile={profile}"]))
+    profile = profile or params.get("profile", "tiny")
+    contract = C.with_source(C.load_contract(root, stage), source)
+    cfg = C.resolve_stage_config(root, stage, params, profile)
+    return StageContext(
+        name=stage,
+        root=root,
+        params=params,
+        profile=profile,
+        config=cfg,
+        contract=contract,
+        runtime=runtime_settings(params, profile),
+        source=source,
+    )
+
+
+def inner_argv(ctx: StageContext) -> list[str]:
+    argv = ["alignpipe", "run", ctx.name, "--inner"]
+    # The inner process reads params.yaml: pass --profile when that would pick another one
+    # (ctx.params may be recomposed for --profile, so it cannot tell).
+    params_file = ctx.root / C.PARAMS_FILE
+    committed = C.load_params(ctx.root) if params_file.is_file() else ctx.params
+    if ctx.profile != committed.get("profile", "tiny"):
+        argv += ["--profile", ctx.profile]
+    if ctx.source:
+        argv += ["--source", ctx.source]
+    return argv

@@ -1,0 +1,41 @@
+"""Publishing a model the local engine trained: an HF directory with its manifest and resolved
+config, swapped in atomically."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from alignpipe.artifacts import RESOLVED_CONFIG, staged_dir, write_manifest, write_text_atomic
+from alignpipe.context import StageContext
+
+
+def publish_model(
+    ctx: StageContext,
+    output: str,
+    model,
+    tokenizer,
+    metrics: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Save an HF directory with its manifest and resolved config, atomically."""
+    final = ctx.output(output)
+    with staged_dir(final) as out:
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        write_record(out, ctx, type="checkpoint_hf", format="hf", metrics=metrics, extra=extra)
+    return final
+
+
+def write_record(out: Path, ctx: StageContext, *, type: str, format: str, **fields: Any) -> None:
+    """What every output directory of this engine carries: resolved_config.yaml and artifact.json
+    (with the stage's input hashes as lineage)."""
+    write_text_atomic(out / RESOLVED_CONFIG, ctx.resolved_config_yaml())
+    write_manifest(
+        out, type=type, format=format, stage=ctx.name, engine="local", inputs=ctx.input_hashes, **fields
+    )
+
+
+def write_hf_manifest(out: Path, ctx: StageContext, **fields: Any) -> None:
+    """artifact.json of an HF checkpoint directory this engine wrote."""
+    write_manifest(out, type="checkpoint_hf", format="hf", stage=ctx.name, engine="local", **fields)

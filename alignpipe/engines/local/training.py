@@ -1,0 +1,263 @@
+"""TRL trainer arguments and resumable training for the local engine: NeMo-RL keys -> TRL
+arguments, refusal of settings the local engine cannot honour, scratch checkpoints,
+and preference data.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from alignpipe.config import get_path
+from alignpipe.context import StageContext
+from alignpipe.engines.local.live_log import replay_history
+from alignpipe.errors import UnsupportedSetting
+from alignpipe.jsonl import read_jsonl
+from alignpipe.measure.generation import user_turn
+
+# ----------------------------------------------------------------------------- guards
+
+# (config key, value that means "on", why the local engine cannot do it)
+_GPU_ONLY = [
+    ("policy.megatron_cfg.enabled", True, "Megatron-Core parallelism needs the NeMo-RL engine"),
+    ("policy.generation.backend", "vllm", "vLLM generation needs the NeMo-RL engine and a GPU"),
+    ("policy.generation.backend", "megatron", "Megatron inference needs the NeMo-RL engine"),
+    ("policy.dtensor_cfg.cpu_offload", True, "FSDP2 CPU offload is a NeMo-RL DTensor feature"),
+    ("policy.dtensor_cfg.sequence_parallel", True, "sequence parallelism needs several GPUs"),
+    ("policy.sequence_packing.enabled", True, "sequence packing is a NeMo-RL worker feature"),
+    ("policy.dynamic_batching.enabled", True, "dynamic batching is a NeMo-RL worker feature"),
+    ("grpo.async_grpo.enabled", True, "async GRPO needs NeMo-RL's Ray workers"),
+    ("env.should_use_nemo_gym", True, "NeMo-Gym environments run only on the NeMo-RL engine"),
+]
+_MUST_BE_ONE = [
+    ("policy.dtensor_cfg.tensor_parallel_size", "tensor parallelism"),
+    ("policy.dtensor_cfg.context_parallel_size", "context parallelism"),
+    ("cluster.num_nodes", "a multi-node cluster"),
+]
+
+
+def refuse_gpu_only_settings(ctx: StageContext) -> None:
+    """Fail loudly on settings this engine would otherwise silently ignore."""
+    problems = []
+    for key, on_value, why in _GPU_ONLY:
+        if get_path(ctx.config, key) == on_value:
+            problems.append(f"{key}={on_value!r}: {why}")
+    for key, what in _MUST_BE_ONE:
+        value = get_path(ctx.config, key)
+        if value is not None and value > 1:
+            problems.append(f"{key}={value}: {what} needs the NeMo-RL engine")
+    if problems:
+        raise UnsupportedSetting(
+            f"stage '{ctx.name}' (profile '{ctx.profile}') asks the local engine for:\n  - "
+            + "\n  - ".join(problems)
+            + "\nfix: turn these off for the tiny profile, or run with runtime.engine=nemo_rl "
+            "(e.g. `dvc exp run -S profile=default`)."
+        )
+
+
+# ----------------------------------------------------------------------------- TRL args
+
+
+def warmup_steps(cfg: dict[str, Any]) -> int:
+    """NeMo-RL's scheduler list starts with a LinearLR warm-up; its total_iters is the warm-up."""
+    for entry in get_path(cfg, "policy.scheduler", []) or []:
+        if isinstance(entry, dict) and str(entry.get("name", "")).endswith("LinearLR"):
+            return int(entry.get("kwargs", {}).get("total_iters", 0))
+    return 0
+
+
+def trl_common_args(ctx: StageContext, algo: str, output_dir: Path) -> dict[str, Any]:
+    """Arguments every TRL config takes, mapped from the NeMo-RL schema (over 60 lines: the mapping
+    table below is most of it).
+
+    | NeMo-RL key                                   | TRL / transformers argument        |
+    |-----------------------------------------------|------------------------------------|
+    | <algo>.max_num_steps                          | max_steps                          |
+    | <algo>.seed (params.yaml seed)                | seed, data_seed                    |
+    | <algo>.val_period                             | eval_steps (eval_strategy=steps)   |
+    | policy.train_micro_batch_size                 | per_device_train_batch_size        |
+    | train_global_batch_size / micro               | gradient_accumulation_steps        |
+    | <algo>.val_micro_batch_size                   | per_device_eval_batch_size         |
+    | policy.optimizer.kwargs.{lr,weight_decay,...} | learning_rate, weight_decay, adam_*|
+    | policy.scheduler[LinearLR].total_iters        | warmup_steps (constant_with_warmup)|
+    | policy.max_grad_norm                          | max_grad_norm                      |
+    | checkpointing.save_period / keep_top_k        | save_steps / save_total_limit      |
+    """
+    import torch
+
+    cfg = ctx.config
+    micro = int(get_path(cfg, "policy.train_micro_batch_size", 8))
+    global_bs = int(get_path(cfg, "policy.train_global_batch_size", micro))
+    if global_bs % micro:
+        raise UnsupportedSetting(
+            f"policy.train_global_batch_size ({global_bs}) must be a multiple of "
+            f"policy.train_micro_batch_size ({micro}) in stages/{ctx.name}/config/{ctx.profile}.yaml"
+        )
+    opt = get_path(cfg, "policy.optimizer.kwargs", {}) or {}
+    betas = opt.get("betas", [0.9, 0.999])
+    val_period = int(get_path(cfg, f"{algo}.val_period", 0) or 0)
+    ckpt_on = bool(get_path(cfg, "checkpointing.enabled", True))
+    seed = int(get_path(cfg, f"{algo}.seed", ctx.seed))
+    use_cpu = not torch.cuda.is_available()
+    return dict(
+        output_dir=str(output_dir),
+        max_steps=int(get_path(cfg, f"{algo}.max_num_steps", 100)),
+        num_train_epochs=float(get_path(cfg, f"{algo}.max_num_epochs", 1) or 1),
+        seed=seed,
+        data_seed=seed,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=global_bs // micro,
+        per_device_eval_batch_size=int(get_path(cfg, f"{algo}.val_micro_batch_size", micro) or micro),
+        learning_rate=float(opt.get("lr", 1e-4)),
+        weight_decay=float(opt.get("weight_decay", 0.0)),
+        adam_beta1=float(betas[0]),
+        adam_beta2=float(betas[1]),
+        adam_epsilon=float(opt.get("eps", 1e-8)),
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=warmup_steps(cfg),
+        max_grad_norm=float(get_path(cfg, "policy.max_grad_norm", 1.0) or 0.0),
+        eval_strategy="steps" if val_period else "no",
+        eval_steps=val_period or None,
+        save_strategy="steps" if ckpt_on else "no",
+        save_steps=int(get_path(cfg, "checkpointing.save_period", 50)),
+        save_total_limit=int(get_path(cfg, "checkpointing.keep_top_k", 2) or 2),
+        logging_steps=max(1, min(10, val_period or 10)),
+        report_to=[],
+        use_cpu=use_cpu,
+        bf16=get_path(cfg, "policy.precision") == "bfloat16" and not use_cpu,
+        gradient_checkpointing=bool(get_path(cfg, "policy.dtensor_cfg.activation_checkpointing", False)),
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        save_only_model=False,
+    )
+
+
+def apply_torch_threads(ctx: StageContext) -> None:
+    """``alignpipe.torch_threads`` from the profile: torch's intra-op CPU threads.
+
+    For the ~1M-parameter tiny model, thread hand-offs cost more than they save, and on a
+    busy machine spinning OpenMP workers burn the CPU others need: one DPO step took
+    0.23 s of CPU with 1 thread and 1.6 s with 2 on the shared 2-core box.
+    """
+    threads = get_path(ctx.config, "alignpipe.torch_threads")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+def step_budget(ctx: StageContext, algo: str, num_examples: int) -> int:
+    """NeMo-RL stops at ``min(max_num_steps, max_num_epochs x steps per epoch)``.
+
+    HF's Trainer lets a positive ``max_steps`` override the epoch count, so the
+    epoch bound is applied here; ``max_num_steps: -1`` means epoch-bounded (NeMo-RL rm).
+    """
+    cfg = ctx.config
+    global_bs = int(get_path(cfg, "policy.train_global_batch_size", 1))
+    epochs = float(get_path(cfg, f"{algo}.max_num_epochs", 1) or 1)
+    by_epochs = math.ceil(epochs * math.ceil(num_examples / global_bs))
+    max_steps = int(get_path(cfg, f"{algo}.max_num_steps", -1) or -1)
+    return by_epochs if max_steps <= 0 else min(max_steps, by_epochs)
+
+
+# ----------------------------------------------------------------------------- resume
+
+_CKPT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def latest_checkpoint(scratch: Path) -> Path | None:
+    """The newest complete ``checkpoint-N`` in ``scratch`` (trainer_state.json written last)."""
+    if not scratch.is_dir():
+        return None
+    found = [
+        (int(m.group(1)), p)
+        for p in scratch.iterdir()
+        if (m := _CKPT.match(p.name)) and (p / "trainer_state.json").is_file()
+    ]
+    return max(found)[1] if found else None
+
+
+def train_resumable(ctx: StageContext, trainer, live, rename: dict[str, str]) -> None:
+    """``trainer.train()``, resuming from the newest scratch checkpoint of this exact run.
+
+    DVC deletes a stage's outputs before re-running it, so checkpoints live in
+    ``ctx.scratch_dir``; after a resume the DVCLive curves are replayed from the
+    checkpoint's trainer_state so they stay whole.
+    """
+    resume = latest_checkpoint(ctx.scratch_dir)
+    if resume is not None:
+        print(f"{ctx.name}: resuming from {resume}")
+        replay_history(live, rename, resume)
+        if restore_finished_run(trainer, resume):
+            return
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+
+
+def restore_finished_run(trainer, checkpoint: Path) -> bool:
+    """If ``checkpoint`` is the run's last step, load it into ``trainer`` and say so.
+
+    transformers' loop takes one more optimizer step when resumed at ``max_steps`` (it
+    checks the limit after a step), so a run killed after its final checkpoint would end
+    one step past an uninterrupted one. A finished run needs no training: its weights and
+    state are the checkpoint's.
+    """
+    from transformers import TrainerState
+
+    state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    if state.global_step < state.max_steps:
+        return False
+    trainer._load_from_checkpoint(str(checkpoint))
+    trainer.state = state
+    return True
+
+
+def train_then_validate(ctx: StageContext, trainer, live, rename: dict[str, str], validation, algo: str,
+                        has_validation: bool):
+    """``train_resumable``, then one last validation (``<algo>.val_at_end``) unless the last
+    step already ran one; returns the trained model."""
+    train_resumable(ctx, trainer, live, rename)
+    last = trainer.state.global_step
+    if has_validation and get_path(ctx.config, f"{algo}.val_at_end", True) and validation.last_step != last:
+        validation.run(trainer.model, trainer.state)
+    return trainer.model
+
+
+def clear_scratch(ctx: StageContext) -> None:
+    shutil.rmtree(ctx.scratch_dir, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def preference_pairs(rows: list[dict[str, Any]], prompt_key: str = "prompt", chosen_key: str = "chosen",
+                     rejected_key: str = "rejected") -> list[dict[str, list[dict[str, str]]]]:
+    """Prepared preference rows -> TRL's conversational preference format.
+
+    Conversational, so the chat template wraps prompt and answers exactly as in SFT.
+    The keys are NeMo-RL's ``data.default.{prompt,chosen,rejected}_key``.
+    """
+    return [
+        {
+            "prompt": user_turn(row[prompt_key]),
+            "chosen": [{"role": "assistant", "content": row[chosen_key]}],
+            "rejected": [{"role": "assistant", "content": row[rejected_key]}],
+        }
+        for row in rows
+    ]
+
+
+def preference_splits(ctx: StageContext, algo: str) -> tuple[list[dict], list[dict]]:
+    """Train and validation pairs of a preference stage; validation capped at
+    ``<algo>.val_batches x val_global_batch_size`` pairs (``-1``: all, as in NeMo-RL)."""
+    cfg = ctx.config
+    keys = {f"{k}_key": get_path(cfg, f"data.default.{k}_key", k) or k for k in ("prompt", "chosen", "rejected")}
+    train = preference_pairs(read_jsonl(ctx.root / cfg["data"]["train"]["data_path"]), **keys)
+    val_path = get_path(cfg, "data.validation.data_path")
+    val = preference_pairs(read_jsonl(ctx.root / val_path), **keys) if val_path else []
+    batches = int(get_path(cfg, f"{algo}.val_batches", -1) or -1)
+    if batches > 0:
+        val = val[: batches * int(get_path(cfg, f"{algo}.val_global_batch_size", 32))]
+    return train, val

@@ -1,0 +1,2 @@
+"""Measurements both engines share: held-out sampling and verifier accuracy (``heldout``),
+chat-formatted generation (``generation``)."""

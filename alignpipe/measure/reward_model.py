@@ -1,0 +1,63 @@
+"""Reward-model scoring of (prompt, answer) pairs and the reward-hacking rule, as the rlhf
+stage and evaluate both apply them."""
+
+from __future__ import annotations
+
+from alignpipe.measure.generation import user_turn
+
+
+class RewardModelScorer:
+    """Scores (prompt, completion) pairs with a sequence-classification reward model."""
+
+    def __init__(self, path: str, batch_size: int = 128) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
+        self.model.eval()
+        if self.model.config.pad_token_id is None:
+            # The head reads the last non-pad token; it must know which id is padding.
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.batch_size = batch_size
+
+    def texts(self, prompts: list[str], completions: list[str]) -> list[str]:
+        """The conversation as the RM saw it in training: the chat template over user + assistant turns."""
+        return [
+            self.tokenizer.apply_chat_template(
+                [*user_turn(p), {"role": "assistant", "content": c}], tokenize=False
+            )
+            for p, c in zip(prompts, completions, strict=True)
+        ]
+
+    def __call__(self, prompts: list[str], completions: list[str]) -> list[float]:
+        import torch
+
+        texts = self.texts(prompts, completions)
+        scores: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            enc = self.tokenizer(
+                texts[start : start + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                padding_side="right",
+                add_special_tokens=False,
+            )
+            with torch.no_grad():
+                scores.extend(self.model(**enc).logits[:, 0].float().tolist())
+        return scores
+
+
+def hacking_suspected(
+    rm_score: float,
+    rm_score_reference: float,
+    accuracy: float,
+    accuracy_reference: float,
+    accuracy_drop: float,
+) -> bool:
+    """The reward model likes the policy more than SFT while the verifier likes it less.
+
+    ``accuracy_drop`` is the tolerated fall in accuracy: held-out accuracy is a sample
+    mean (300 prompts: one standard error is up to ~0.03), so an exact comparison would
+    cry wolf on noise.
+    """
+    return rm_score > rm_score_reference and accuracy < accuracy_reference - accuracy_drop
