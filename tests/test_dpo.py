@@ -4,22 +4,17 @@ reloads, records lineage, maps NeMo-RL's loss keys honestly, and resumes after a
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from alignpipe.artifacts import dvc_hash, md5_file, read_manifest
+from alignpipe.artifacts import dvc_hash, read_manifest
 from alignpipe.context import build_context
 from alignpipe.engines.local import training
 from alignpipe.errors import UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
-from tests.conftest import OFFLINE, REPO, copy_repo, run_cli, set_params, writable_copy
+from tests.conftest import REPO, run_cli, set_params, writable_copy
 
 # Short run, same code path as the committed profile: validation at steps 0, 20 and 40.
 FAST_DPO = {"dpo": {"dpo": {"max_num_steps": 40, "val_period": 20}}}
@@ -122,46 +117,3 @@ def test_nemo_rl_loss_keys_map_to_trl_loss_types():
 def test_summed_sft_loss_is_refused_not_approximated():
     with pytest.raises(UnsupportedSetting, match="sft_average_log_probs"):
         loss_config(sft_loss_weight=0.5, sft_average_log_probs=False)
-
-
-def _copy_trained(src: Path, dst: Path) -> Path:
-    root = copy_repo(dst)
-    for rel in ("data/prepared", "models/base", "models/sft"):
-        writable_copy(src / rel, root / rel)
-    shutil.copy2(src / "params.yaml", root / "params.yaml")
-    cfg = root / "stages" / "dpo" / "config" / "tiny.yaml"
-    # checkpoint every 10 steps so an interruption has something to resume from
-    cfg.write_text(cfg.read_text().replace("save_period: 25", "save_period: 10"))
-    set_params(root, {"dpo": {"dpo": {"max_num_steps": 30, "val_period": 10}}})
-    return root
-
-
-@pytest.mark.slow
-def test_killed_dpo_resumes_to_the_same_weights_and_curves(trained_sft: Path, tmp_path: Path):
-    """Kill DPO after a checkpoint; the re-run resumes and ends bit-identical to a straight run."""
-    straight = _copy_trained(trained_sft, tmp_path / "straight" / "repo")
-    run_cli(straight, "run", "dpo", env={"ALIGNPIPE_SCRATCH": str(tmp_path / "straight" / "scratch")})
-
-    root = _copy_trained(trained_sft, tmp_path / "killed" / "repo")
-    scratch = tmp_path / "killed" / "scratch"
-    env = {"ALIGNPIPE_SCRATCH": str(scratch)}
-    proc = subprocess.Popen(
-        ["alignpipe", "run", "dpo"], cwd=root, env={**os.environ, **OFFLINE, "ALIGNPIPE_ROOT": str(root), **env},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    deadline = time.monotonic() + 900
-    while not list(scratch.glob("repo/dpo/*/checkpoint-20/trainer_state.json")):
-        assert proc.poll() is None, "dpo finished before it could be interrupted"
-        assert time.monotonic() < deadline, "no checkpoint-20 appeared"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (root / "models" / "dpo").exists(), "a killed run must not publish"
-
-    resumed = run_cli(root, "run", "dpo", env=env)
-    assert "resuming from" in resumed.stdout
-    assert md5_file(root / "models/dpo/model.safetensors") == md5_file(straight / "models/dpo/model.safetensors")
-    # Validation curves from before the kill are replayed, so the resumed run's are whole.
-    curve = root / "results/dpo/plots/metrics/val/preference_accuracy.tsv"
-    assert tsv(curve) == tsv(straight / "results/dpo/plots/metrics/val/preference_accuracy.tsv")
-    assert not list(scratch.glob("repo/dpo/*")), "scratch checkpoints are removed after publishing"

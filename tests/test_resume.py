@@ -102,5 +102,11 @@ def test_killed_stage_resumes_to_the_uninterrupted_weights(stage, trained_sft, w
         resumed = run_cli(root, "run", stage, env=env)
         assert "resuming from" in resumed.stdout, resumed.stdout
         assert md5_file(root / weights) == expected, f"{stage} resumed after its {which} checkpoint differs"
-        steps = json.loads((root / "results" / stage / "metrics.json").read_text())
-        assert steps == json.loads((straight / "results" / stage / "metrics.json").read_text())
+        assert _results(root, stage) == _results(straight, stage), f"{stage}: metrics or curves differ"
+        assert not list(Path(env["ALIGNPIPE_SCRATCH"]).glob(f"repo/{stage}/*")), "scratch is removed after publishing"
+
+
+def _results(root: Path, stage: str) -> dict[str, str]:
+    """metrics.json and every curve (DVCLive TSV) the stage published, by relative path."""
+    results = root / "results" / stage
+    return {str(f.relative_to(results)): f.read_text() for f in sorted(results.rglob("*")) if f.is_file()}
