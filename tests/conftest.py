@@ -30,6 +30,11 @@ if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
     os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
 
 
+# A stand-in for `dvc repro`: runs a command as its child and, like DVC, does not pass SIGTERM
+# on; it just dies. Launchers' tests put the stage under it to check the stage follows its parent.
+DVC_LIKE_PARENT = [sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"]
+
+
 def project_files(root: Path = REPO) -> list[str]:
     """Tracked files plus new, not-ignored ones: what a clone of this work would hold."""
     out = subprocess.run(

@@ -27,7 +27,7 @@ import pytest
 
 from alignpipe.errors import ConfigError
 from alignpipe.launch.container import ContainerLauncher, container_name
-from tests.conftest import OFFLINE, REPO, copy_repo
+from tests.conftest import DVC_LIKE_PARENT, OFFLINE, REPO, copy_repo
 
 CACHE = Path.home() / ".cache" / "alignpipe" / "container"
 ROOTFS_TAR = CACHE / "bookworm-python-libs.tar"
@@ -277,9 +277,14 @@ def test_exit_code_propagates(test_image: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.container
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_interrupt_stops_the_container(test_image: str, tmp_path: Path, sig: signal.Signals) -> None:
-    """Ctrl-C, or SIGTERM from `dvc queue kill`/a batch system, stops the container too."""
+@pytest.mark.parametrize(
+    "sig, to_parent",
+    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGTERM, True)],
+    ids=["SIGINT", "SIGTERM", "SIGTERM-to-dvc-alone"],
+)
+def test_interrupt_stops_the_container(test_image: str, tmp_path: Path, sig: signal.Signals, to_parent: bool) -> None:
+    """Ctrl-C, SIGTERM from `dvc queue kill`/a batch system, or SIGTERM to a dvc-like parent
+    that does not pass it on: the container stops too."""
     ws = tmp_path / "ws"
     ws.mkdir()
     name = container_name("sleeper", ws)
@@ -288,27 +293,38 @@ def test_interrupt_stops_the_container(test_image: str, tmp_path: Path, sig: sig
         import sys
         from pathlib import Path
         sys.path.insert(0, {str(REPO)!r})
+        from alignpipe.launch.interrupt import stop_with_parent
         from tests.test_container import podman_launcher
+        stop_with_parent()  # as `alignpipe run` does
         launcher = podman_launcher({test_image!r}, Path({str(ws)!r}), Path({str(tmp_path / "scratch")!r}))
         sys.exit(launcher.run(["sleep", "300"], stage="sleeper", workdir=Path({str(ws)!r}), env={{}}))
         """
     )
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
+    argv = [sys.executable, "-c", script]
+    log = tmp_path / "launcher.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([*DVC_LIKE_PARENT, *argv] if to_parent else argv, cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while not _names(name):
-            assert proc.poll() is None, f"launcher exited early: {proc.stdout.read()}"
+            assert proc.poll() is None, f"launcher exited early: {log.read_text()}"
             assert time.monotonic() < deadline, "container never started"
             time.sleep(0.5)
         proc.send_signal(sig)
         proc.wait(timeout=120)
+        deadline = time.monotonic() + 60
+        while _names(name) and time.monotonic() < deadline:
+            time.sleep(0.5)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left in the session
+        except ProcessLookupError:
+            pass
+        if _names(name):
             _podman("rm", "-f", name, check=False)
     assert proc.returncode != 0
-    assert "stopping container" in proc.stdout.read()
+    assert "stopping container" in log.read_text()
     assert _names(name) == []
 
 

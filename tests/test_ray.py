@@ -25,6 +25,7 @@ from alignpipe.errors import AlignpipeError, ConfigError  # noqa: E402
 from alignpipe.launch import get_launcher  # noqa: E402
 from alignpipe.launch.ray_jobs import RayJobLauncher, RaySettings, exit_code  # noqa: E402
 from tests.clusters import RayCluster, stage_env, stage_root, wait_until  # noqa: E402
+from tests.conftest import DVC_LIKE_PARENT  # noqa: E402
 
 # The cluster fixture (ray_cluster) lives in tests/clusters.py.
 pytest_plugins = ["tests.clusters"]
@@ -92,6 +93,8 @@ WATCHER = textwrap.dedent(
     """
     import sys
     from pathlib import Path
+    from alignpipe.launch.interrupt import stop_with_parent
+    stop_with_parent()  # as `alignpipe run` does
     from alignpipe.launch.ray_jobs import RayJobLauncher, RaySettings
     launcher = RayJobLauncher(RaySettings(address=sys.argv[2]))
     sys.exit(launcher.run(["sleep", "300"], stage="sleepy", workdir=Path(sys.argv[1]), env={}))
@@ -100,15 +103,16 @@ WATCHER = textwrap.dedent(
 
 
 @pytest.mark.ray
-def test_interrupting_the_stage_stops_the_job(ray_cluster: RayCluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("to_parent", [False, True], ids=["SIGTERM", "SIGTERM-to-dvc-alone"])
+def test_interrupting_the_stage_stops_the_job(ray_cluster: RayCluster, tmp_path: Path, to_parent: bool) -> None:
+    """SIGTERM (what `dvc queue kill` and batch systems send), to the stage or to a dvc-like
+    parent that does not pass it on."""
     log = tmp_path / "watcher.log"
     client = ray_cluster.client()
+    argv = [sys.executable, "-c", WATCHER, str(tmp_path), ray_cluster.address]
     with log.open("w") as f:
-        watcher = subprocess.Popen(
-            [sys.executable, "-c", WATCHER, str(tmp_path), ray_cluster.address],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-        )
+        watcher = subprocess.Popen([*DVC_LIKE_PARENT, *argv] if to_parent else argv, stdout=f,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
         found: dict[str, str] = {}
 
@@ -121,16 +125,15 @@ def test_interrupting_the_stage_stops_the_job(ray_cluster: RayCluster, tmp_path:
             return False
 
         wait_until(running, 90, "the sleep job running")
-        # SIGTERM is what `dvc queue kill` and batch systems send.
         watcher.send_signal(signal.SIGTERM)
         watcher.wait(timeout=90)
+        wait_until(lambda: f"stopping Ray job {found['id']}" in log.read_text(), 30, "the stage stopping the job")
+        wait_until(lambda: str(client.get_job_status(found["id"])) == "STOPPED", 30, "the job showing STOPPED")
     finally:
         if watcher.poll() is None:
             watcher.kill()
             watcher.wait()
     assert watcher.returncode != 0
-    assert f"stopping Ray job {found['id']}" in log.read_text()
-    wait_until(lambda: str(client.get_job_status(found["id"])) == "STOPPED", 30, "the job showing STOPPED")
 
 
 def test_settings_address_and_exit_codes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,6 +26,7 @@ from alignpipe.errors import AlignpipeError, ConfigError  # noqa: E402
 from alignpipe.launch import get_launcher  # noqa: E402
 from alignpipe.launch.slurm import SlurmLauncher, SlurmSettings, job_exit_code  # noqa: E402
 from tests.clusters import SlurmCluster, free_ports, stage_env, stage_root, wait_until  # noqa: E402
+from tests.conftest import DVC_LIKE_PARENT  # noqa: E402
 
 # The cluster fixtures (slurm_cluster, slurm) live in tests/clusters.py.
 pytest_plugins = ["tests.clusters"]
@@ -113,6 +114,8 @@ WATCHER = textwrap.dedent(
     """
     import sys
     from pathlib import Path
+    from alignpipe.launch.interrupt import stop_with_parent
+    stop_with_parent()  # as `alignpipe run` does
     from alignpipe.launch.slurm import SlurmLauncher, SlurmSettings
     launcher = SlurmLauncher(SlurmSettings(gpus_per_node=0, time="00:10:00"))
     sys.exit(launcher.run(["sleep", "300"], stage="sleepy", workdir=Path(sys.argv[1]), env={}))
@@ -121,15 +124,20 @@ WATCHER = textwrap.dedent(
 
 
 @pytest.mark.slurm
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    "sig, to_parent",
+    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGTERM, True)],
+    ids=["SIGINT", "SIGTERM", "SIGTERM-to-dvc-alone"],
+)
 def test_interrupting_the_stage_cancels_the_job(
-    slurm: SlurmCluster, tmp_path: Path, sig: signal.Signals
+    slurm: SlurmCluster, tmp_path: Path, sig: signal.Signals, to_parent: bool
 ) -> None:
+    """Ctrl-C, SIGTERM, or SIGTERM to a dvc-like parent that does not pass it on."""
     log = tmp_path / "watcher.log"
+    argv = [sys.executable, "-c", WATCHER, str(tmp_path)]
     with log.open("w") as f:
-        watcher = subprocess.Popen(
-            [sys.executable, "-c", WATCHER, str(tmp_path)], stdout=f, stderr=subprocess.STDOUT
-        )
+        watcher = subprocess.Popen([*DVC_LIKE_PARENT, *argv] if to_parent else argv, stdout=f,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
         found: dict[str, str] = {}
 
@@ -144,13 +152,13 @@ def test_interrupting_the_stage_cancels_the_job(
         wait_until(running, 60, "the sleep job running")
         watcher.send_signal(sig)
         watcher.wait(timeout=90)
+        wait_until(lambda: f"cancelling slurm job {found['id']}" in log.read_text(), 30, "the stage cancelling")
+        wait_until(lambda: slurm.job_state(found["id"]) == "CANCELLED", 30, "the job showing CANCELLED")
     finally:
         if watcher.poll() is None:
             watcher.kill()
             watcher.wait()
     assert watcher.returncode != 0
-    assert f"cancelling slurm job {found['id']}" in log.read_text()
-    wait_until(lambda: slurm.job_state(found["id"]) == "CANCELLED", 30, "the job showing CANCELLED")
     assert found["id"] not in slurm.queue()
 
 
