@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,8 @@ class StageContext:
     runtime: dict[str, Any] = field(default_factory=dict)
     # The item of a DVC `foreach` stage (convert@dpo -> "dpo"); fills `{source}` in stage.toml paths.
     source: str | None = None
+    # When the stage began (monotonic): the outcome line reports the stage's time.
+    started: float = field(default_factory=time.monotonic, compare=False)
 
     @property
     def engine(self) -> str:

@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from alignpipe import console
+from alignpipe.config import get_path
 from alignpipe.context import OFFLINE_ENV, StageContext, build_context, inner_argv, set_offline_env
 from alignpipe.errors import ConfigError
 
@@ -33,7 +35,11 @@ def run_stage(
 ) -> int:
     set_offline_env()
     ctx = build_context(root, stage, profile, source=source)
+    label = f"{stage}@{source}" if source else stage
+    if not inner:  # a launcher's inner run is the same stage: one header
+        console.header(label, ctx.engine, ctx.profile, get_path(ctx.config, "policy.model_name", None))
     if inner or ctx.launcher == "process":
+        console.quiet_libraries(console.raw_log_path(root, label))
         engine_module(ctx).run(ctx)
         if os.environ.get("ALIGNPIPE_TIMING"):  # benchmarks/: wall and CPU time of the whole stage process
             from alignpipe.timing import record_timing

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from alignpipe import tiny
+from alignpipe import console, tiny
 from alignpipe.context import StageContext
 from alignpipe.engines.local import publish
 
@@ -40,4 +40,5 @@ def run(ctx: StageContext) -> None:
     publish.publish_model(
         ctx, "model", model, tokenizer, {"parameters": tiny.count_parameters(model), "vocab_size": len(tokenizer)}
     )
-    print(f"base: {tiny.count_parameters(model):,} parameters, vocabulary {len(tokenizer)}")
+    console.outcome("base", {"parameters": f"{tiny.count_parameters(model):,}", "vocabulary": len(tokenizer)},
+                    ctx.output("model").relative_to(ctx.root), ctx.started)

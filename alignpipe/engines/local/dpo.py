@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, publish, training
@@ -225,5 +226,9 @@ def run(ctx: StageContext) -> None:
     metrics = live_log.close(ctx, live)
     publish.publish_model(ctx, "policy_out", model, tokenizer, metrics)
     training.clear_scratch(ctx)
-    print(f"dpo: val/preference_accuracy={metrics.get('val/preference_accuracy')} "
-          f"heldout/accuracy={heldout['accuracy']:.3f} -> {ctx.output('policy_out')}")
+    console.outcome(
+        "dpo",
+        {"val/preference_accuracy": metrics.get("val/preference_accuracy"), "heldout/accuracy": heldout["accuracy"]},
+        ctx.output("policy_out").relative_to(ctx.root),
+        ctx.started,
+    )

@@ -17,11 +17,11 @@ against the SFT reference on held-out prompts and publishes the policy.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, publish, training
@@ -343,9 +343,10 @@ def run_grpo(ctx: StageContext, reward_fn: RewardFn, *, data_key: str = "data.tr
     metrics = live_log.close(ctx, live)
     publish.publish_model(ctx, "policy_out", policy, tokenizer, metrics)
     training.clear_scratch(ctx)
-    print(
-        f"{ctx.name}: heldout/accuracy={heldout['accuracy']:.3f} (SFT reference {ref['accuracy_reference']:.3f}), "
-        f"kl_to_reference={kl:.3f}{''.join(f', {k}={v:.3f}' for k, v in extra.items())} -> {ctx.output('policy_out')}",
-        file=sys.stdout,
+    console.outcome(
+        ctx.name,
+        {"heldout/accuracy": heldout["accuracy"], "sft": ref["accuracy_reference"], "kl_to_reference": kl, **extra},
+        ctx.output("policy_out").relative_to(ctx.root),
+        ctx.started,
     )
     return metrics

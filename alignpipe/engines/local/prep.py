@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from alignpipe import console
 from alignpipe.artifacts import staged_dir
 from alignpipe.context import StageContext
 from alignpipe.data.prepare import prepare
@@ -31,4 +32,5 @@ def run(ctx: StageContext) -> None:
     )
     ties = manifest["ties_dropped"]["total"]
     dropped = f"; {ties} preference tie(s) dropped (HelpSteer3 overall_preference 0)" if ties else ""
-    print(f"prep: wrote {ctx.output('prepared')} (train/validation/test rows: {summary}){dropped}")
+    console.outcome("prep", {"train/validation/test rows": summary + dropped},
+                    ctx.output("prepared").relative_to(ctx.root), ctx.started)

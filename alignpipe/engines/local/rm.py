@@ -26,8 +26,10 @@ Validation metrics are computed here on the validation split, not read from TRL'
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, publish, training
@@ -118,6 +120,8 @@ def load_reward_model(path: str, tokenizer):
 
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, local_files_only=True)
     model.config.pad_token_id = tokenizer.pad_token_id
+    # transformers' load report (in logs/rm.log) lists lm_head as unused and score as new: by design.
+    print(f"rm: reward head initialised on {os.path.relpath(path)} (expected: its lm_head is dropped)", flush=True)
     return model
 
 
@@ -172,4 +176,4 @@ def run(ctx: StageContext) -> None:
                          extra={"reward_model_type": "bradley_terry"})
     training.clear_scratch(ctx)
     acc = metrics.get("val/pairwise_accuracy")
-    print(f"rm: val/pairwise_accuracy={acc if acc is None else f'{acc:.3f}'} -> {ctx.output('reward_model')}")
+    console.outcome("rm", {"val/pairwise_accuracy": acc}, ctx.output("reward_model").relative_to(ctx.root), ctx.started)

@@ -7,6 +7,7 @@ room to show gains, and ``heldout/accuracy`` records where SFT leaves off.
 
 from __future__ import annotations
 
+from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, publish, training
@@ -89,4 +90,5 @@ def run(ctx: StageContext) -> None:
     metrics = live_log.close(ctx, live)
     publish.publish_model(ctx, "policy", model, tokenizer, metrics)
     training.clear_scratch(ctx)
-    print(f"sft: heldout/accuracy={heldout['accuracy']:.3f} -> {ctx.output('policy')}")
+    console.outcome("sft", {"heldout/accuracy": heldout["accuracy"]}, ctx.output("policy").relative_to(ctx.root),
+                    ctx.started)

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local.live_log import replay_history
@@ -187,6 +188,7 @@ def train_resumable(ctx: StageContext, trainer, live, rename: dict[str, str]) ->
     ``ctx.scratch_dir``; after a resume the DVCLive curves are replayed from the
     checkpoint's trainer_state so they stay whole.
     """
+    show_progress(ctx, trainer)
     resume = latest_checkpoint(ctx.scratch_dir)
     if resume is not None:
         print(f"{ctx.name}: resuming from {resume}")
@@ -194,6 +196,19 @@ def train_resumable(ctx: StageContext, trainer, live, rename: dict[str, str]) ->
         if restore_finished_run(trainer, resume):
             return
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+
+
+# Trainer log keys shown on the progress bar, under short names.
+HEADLINE = {"loss": "loss", "reward": "reward", "kl": "kl", "rewards/accuracies": "pref_acc"}
+
+
+def show_progress(ctx: StageContext, trainer) -> None:
+    """One progress bar (console.progress_callback) instead of HF's log-dict printer."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(console.progress_callback(ctx.name, HEADLINE, console.raw_log_path(ctx.root, ctx.name)))
 
 
 def restore_finished_run(trainer, checkpoint: Path) -> bool:

@@ -1,0 +1,124 @@
+"""What a person sees while a stage runs: a header, one progress bar, a one-line outcome.
+
+Everything else the libraries print (HF-Trainer log dicts, dataset-map and shard-writing
+bars, load reports, warnings) goes to a raw log file, ``logs/<stage>.log``, beside the
+workspace and outside DVC's outputs, so published results stay byte-reproducible.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+# Library switches read at import time: set before transformers/datasets/hf_hub load.
+QUIET_ENV = {
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+}
+# When stderr is no terminal (CI logs, `dvc repro > log`), the bar is one line this often.
+PLAIN_LINES = 10
+
+
+def raw_log_path(root: Path, stage: str) -> Path:
+    return root / "logs" / f"{stage}.log"
+
+
+def quiet_libraries(log_file: Path) -> None:
+    """Route library logging and warnings into ``log_file``; keep the console for people."""
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log_file, mode="w", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)
+    warnings.simplefilter("default")
+    for name in ("transformers", "trl", "datasets", "accelerate", "huggingface_hub"):
+        library = logging.getLogger(name)
+        library.handlers[:] = []
+        library.propagate = True
+
+
+def header(stage: str, engine: str, profile: str, model: str | None) -> float:
+    """Print the stage's header line; return the start time for ``outcome``."""
+    print(f"{stage} · engine {engine} · profile {profile}" + (f" · model {model}" if model else ""), flush=True)
+    return time.monotonic()
+
+
+def outcome(stage: str, headline: dict[str, Any], output: Path | str, started: float) -> None:
+    """One line: the headline metrics, where the result is, and how long it took."""
+    shown = ", ".join(f"{k} {_fmt(v)}" for k, v in headline.items() if v is not None)
+    print(f"{stage}: {shown} -> {output} ({time.monotonic() - started:.0f} s)", flush=True)
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def progress_callback(stage: str, headline: dict[str, str], log_file: Path | None = None):
+    """A transformers callback: one bar with step/s, ETA and ``headline`` metrics.
+
+    ``headline`` maps trainer log keys to the short names shown (``{"loss": "loss"}``).
+    A tqdm bar on a terminal; otherwise ``PLAIN_LINES`` plain lines over the run. Every log
+    dict the trainer emits goes to ``log_file`` instead of the console.
+    """
+    from transformers import TrainerCallback
+
+    class ConsoleProgress(TrainerCallback):
+        bar = None
+        started = 0.0
+        first_step = 0
+        shown: dict[str, float] = {}
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.started, self.first_step, self.shown = time.monotonic(), state.global_step, {}
+            if sys.stderr.isatty():
+                from tqdm.auto import tqdm
+
+                # A pty that reports no size (0x0) would hide tqdm's bar: fall back to 100x20.
+                size = shutil.get_terminal_size((100, 20))
+                self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc=stage, unit="step",
+                                ncols=size.columns, nrows=size.lines)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.bar is not None:
+                self.bar.update(state.global_step - self.bar.n)
+                self.bar.set_postfix({k: f"{v:.3g}" for k, v in self.shown.items()}, refresh=False)
+                return
+            every = max(1, state.max_steps // PLAIN_LINES)
+            if state.global_step % every == 0 or state.global_step == state.max_steps:
+                print(self._line(state), flush=True)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            for key, name in headline.items():
+                value = (logs or {}).get(key)
+                if isinstance(value, (int, float)):
+                    self.shown[name] = float(value)
+            if log_file is not None and logs:
+                with open(log_file, "a", encoding="utf-8") as f:
+                    f.write(f"step {state.global_step}: {logs}\n")
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.bar is not None:
+                self.bar.close()
+
+        def _line(self, state) -> str:
+            done = state.global_step - self.first_step
+            elapsed = time.monotonic() - self.started
+            rate = done / elapsed if elapsed > 0 else 0.0
+            eta = (state.max_steps - state.global_step) / rate if rate > 0 else 0.0
+            metrics = "  ".join(f"{k} {v:.3g}" for k, v in self.shown.items())
+            return (f"{stage} step {state.global_step}/{state.max_steps}  {rate:.1f} step/s  "
+                    f"ETA {int(eta) // 60}:{int(eta) % 60:02d}  {metrics}").rstrip()
+
+    return ConsoleProgress()
