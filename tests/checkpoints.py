@@ -99,3 +99,66 @@ def dcp_run(nemo_rl_src: Path, tiny_hf_model: Path, tmp_path_factory) -> dict:
     )
     picked = json.loads(out.strip().splitlines()[-1])
     return {"checkpoint_dir": ckpt_dir, "model": tiny_hf_model, **{k: Path(v) for k, v in picked.items()}}
+
+
+# megatron-core's dist_checkpointing on CPU: it asks torch.cuda for a device and a sync point
+# only; "cpu" and a no-op stand in. The layout is Megatron-Bridge's: weights/iter_0000000/
+# (torch_dist shards + run_config.yaml) and weights/latest_checkpointed_iteration.txt.
+_WRITE_MEGATRON_RUN = r"""
+import json, os, sys, torch, yaml
+import torch.distributed as dist
+
+def main():
+    ckpt_dir = sys.argv[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    from pydantic import BaseModel
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from nemo_rl.utils.checkpoint import CheckpointManager
+
+    class RunConfig(BaseModel, extra="allow"):
+        pass
+
+    cfg = {"checkpoint_dir": ckpt_dir, "metric_name": "val:val_loss", "higher_is_better": False,
+           "keep_top_k": 3, "save_optimizer": False, "enabled": True, "save_period": 1}
+    master = RunConfig(policy={"model_name": "tiny", "tokenizer": {"name": "tiny"},
+                               "megatron_cfg": {"enabled": True}, "dtensor_cfg": {"enabled": False}},
+                       checkpointing=cfg)
+    manager = CheckpointManager(cfg)
+    path = manager.init_tmp_checkpoint(1, {"step": 1, "val:val_loss": 0.7}, master)
+    weights = os.path.join(path, "policy", "weights")
+    iter_dir = os.path.join(weights, "iter_0000000")
+    os.makedirs(iter_dir)
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    sd = {"embedding.word_embeddings.weight": ShardedTensor.from_rank_offsets(
+        "embedding.word_embeddings.weight", w, replica_id=0)}
+    dist_checkpointing.save(sd, iter_dir)
+    with open(os.path.join(iter_dir, "run_config.yaml"), "w") as f:
+        yaml.safe_dump({"model": {"num_layers": 1, "hidden_size": 4}, "checkpoint": {"save": weights}}, f)
+    with open(os.path.join(weights, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("0")
+    manager.finalize_checkpoint(path)
+    print(json.dumps({"latest": manager.get_latest_checkpoint_path()}))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.fixture(scope="session")
+def megatron_run(nemo_rl_src: Path, tmp_path_factory) -> dict:
+    """``{"checkpoint_dir", "latest"}``: a Megatron-backend run's checkpoint (megatron-core + NeMo-RL)."""
+    import socket
+
+    tmp = tmp_path_factory.mktemp("megatron_run")
+    script = tmp / "write_megatron_run.py"  # a file: dist_checkpointing's workers re-import __main__
+    script.write_text(_WRITE_MEGATRON_RUN)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = run_upstream(nemo_rl_src, [sys.executable, str(script), str(tmp / "checkpoints"), str(port)])
+    picked = json.loads(out.strip().splitlines()[-1])
+    return {"checkpoint_dir": tmp / "checkpoints", "latest": Path(picked["latest"])}

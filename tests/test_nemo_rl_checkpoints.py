@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from alignpipe.engines.nemo_rl.checkpoints import select_checkpoint
-from alignpipe.engines.nemo_rl.convert import DCP, checkpoint_format, converter_argv
+from alignpipe.engines.nemo_rl.convert import DCP, MEGATRON, checkpoint_format, converter_argv
 from tests.checkpoints import METRIC, run_upstream
 
 pytest_plugins = ["tests.checkpoints"]
@@ -43,3 +43,22 @@ def test_dcp_export_by_upstream_converter_is_the_saved_model(
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
     assert (out / "tokenizer.json").is_file() or (out / "tokenizer_config.json").is_file()
+
+
+def test_megatron_checkpoint_selected_and_converter_argv(
+    megatron_run: dict, nemo_rl_src: Path, tmp_path: Path
+):
+    """Not run: convert_megatron_to_hf.py itself (needs Megatron-Bridge and a GPU)."""
+    choice = select_checkpoint(megatron_run["checkpoint_dir"], METRIC, higher_is_better=False)
+    assert choice.path == megatron_run["latest"] and choice.metric_value == 0.7
+    iter_dir = choice.path / "policy" / "weights" / "iter_0000000"
+    assert (iter_dir / ".metadata").is_file() and list(iter_dir.glob("*.distcp"))
+    assert (iter_dir / "run_config.yaml").is_file()
+    assert checkpoint_format(choice.path) == MEGATRON
+    argv = converter_argv(choice.path, MEGATRON, tmp_path / "hf", hf_model_name="Qwen/Qwen3-0.6B")
+    script = argv.index("examples/converters/convert_megatron_to_hf.py")
+    assert (nemo_rl_src / argv[script]).is_file()
+    args = argv[script + 1 :]
+    assert args[args.index("--config") + 1] == str(choice.path / "config.yaml")
+    assert args[args.index("--megatron-ckpt-path") + 1] == str(iter_dir)
+    assert args[args.index("--hf-ckpt-path") + 1] == str(tmp_path / "hf")
