@@ -29,6 +29,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from alignpipe import console
 from alignpipe.artifacts import (
     MANIFEST,
     RESOLVED_CONFIG,
@@ -405,8 +406,13 @@ def run(ctx: StageContext) -> None:
         )
         make_shareable(out)
     shutil.rmtree(workdir, ignore_errors=True)
-    print(
-        f"convert@{ctx.source}: {ctx.input('checkpoint').relative_to(ctx.root)} ({manifest.get('format')}) -> "
-        f"{ctx.output('export').relative_to(ctx.root)} ({final_dtype}); verified: max |logit diff| "
-        f"{verification['max_abs_logit_diff']:.3g}, greedy outputs match {verification['greedy_matches_source']:.0%}"
+    console.outcome(
+        f"convert@{ctx.source}",
+        {
+            "from": f"{ctx.input('checkpoint').relative_to(ctx.root)} ({manifest.get('format')}, {final_dtype})",
+            "max |logit diff|": f"{verification['max_abs_logit_diff']:.3g}",
+            "greedy outputs match": f"{verification['greedy_matches_source']:.0%}",
+        },
+        ctx.output("export").relative_to(ctx.root),
+        ctx.started,
     )

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from alignpipe import console
 from alignpipe.artifacts import (
     staged_dir,
     write_json_atomic,
@@ -179,7 +180,9 @@ def run(ctx: StageContext) -> None:
     }
     write_results(ctx, metrics, samples)
     flagged = [n for n, m in policies.items() if m["suspected_reward_hacking"]]
-    print(
-        f"evaluate: wrote {ctx.output('results')}"
-        + (f"; suspected reward hacking: {', '.join(flagged)}" if flagged else "")
+    console.outcome(
+        "evaluate",
+        {"policies": len(policies), "suspected reward hacking": ", ".join(flagged) or "none"},
+        ctx.output("results").relative_to(ctx.root),
+        ctx.started,
     )
