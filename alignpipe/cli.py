@@ -48,6 +48,8 @@ def plan_files(root: Path, stage: str, profile: str | None, source: str | None =
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     root = C.repo_root()
+    if args.check:
+        return _check(root, args)
     files = plan_files(root, args.stage, args.profile, args.source)
     if args.write:
         out = Path(args.write)
@@ -61,6 +63,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(text.rstrip("\n"))
         print()
     return 0
+
+
+def _check(root: Path, args: argparse.Namespace) -> int:
+    """``plan --check``: the NeMo-RL pre-flight, without running anything."""
+    from alignpipe.context import build_context
+    from alignpipe.engines.nemo_rl import preflight
+
+    ctx = build_context(root, args.stage, args.profile, source=args.source)
+    if ctx.engine != "nemo_rl":
+        raise AlignpipeError(
+            f"stage '{args.stage}' runs on the {ctx.engine} engine under profile '{ctx.profile}'; "
+            "--check validates NeMo-RL configs: pass a GPU profile, e.g. --profile default"
+        )
+    report = preflight.check(ctx)
+    print(report.text(), file=sys.stdout if report.ok else sys.stderr)
+    return 0 if report.ok else 1
 
 
 def _cmd_stages(args: argparse.Namespace) -> int:
@@ -109,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--profile", help="config profile (default: params.yaml 'profile')")
     plan.add_argument("--source", help="item of a foreach stage, e.g. `convert --source dpo`")
     plan.add_argument("--write", metavar="DIR", help="also write the files into DIR")
+    plan.add_argument(
+        "--check", action="store_true",
+        help="validate the NeMo-RL config and launch command with NeMo-RL's own code ($NEMO_RL_SRC)",
+    )
     plan.set_defaults(func=_cmd_plan)
 
     params = sub.add_parser("params", help="regenerate params.yaml from conf/ (as dvc exp run does)")

@@ -15,6 +15,7 @@ Interpolations (``${policy.model_name}``, ``${mul:a,b}``) resolve last, as in Ne
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -257,8 +258,10 @@ def _apply_knobs(cfg: DictConfig, knobs: Any, where: str, src: str) -> None:
         dotted = f"{where}.{key}"
         node = cfg.get(key) if isinstance(cfg, DictConfig) else None
         if isinstance(cfg, DictConfig) and key not in cfg:
+            close = difflib.get_close_matches(str(key), [str(k) for k in cfg.keys()], n=1, cutoff=0.6)
+            hint = f"Did you mean '{where}.{close[0]}'? " if close else ""
             raise ConfigError(
-                f"{PARAMS_FILE}: '{dotted}' is not a key of {src} (NeMo-RL schema). "
+                f"{PARAMS_FILE}: '{dotted}' is not a key of {src} (NeMo-RL schema). {hint}"
                 f"Check the spelling against the profile, or add the key to the profile first."
             )
         if isinstance(value, dict) and isinstance(node, DictConfig):

@@ -183,3 +183,40 @@ def extract_nemo_rl_source() -> Path:
 def nemo_rl_src() -> Path:
     """Read-only NeMo-RL v0.7.0 source tree (``$NEMO_RL_SRC`` or the extracted vendored archive)."""
     return extract_nemo_rl_source()
+
+
+# NeMo-RL v0.7.0's own pins (its uv.lock) of the config stack: the schema the contract tests
+# validate with is then the one NeMo-RL's image builds (measured byte-identical).
+NEMO_RL_SCHEMA_PINS = (
+    "pydantic==2.13.4",
+    "pydantic-core==2.46.4",
+    "typing-extensions==4.15.0",
+    "omegaconf==2.3.0",
+    "hydra-core==1.3.2",
+    "pyyaml==6.0.3",
+    "packaging==25.0",
+    # their own dependencies, at the same lock's versions
+    "antlr4-python3-runtime==4.9.3",
+    "annotated-types==0.7.0",
+    "typing-inspection==0.4.2",
+)
+
+
+def nemo_rl_schema_python() -> Path:
+    """A small cached venv with ``NEMO_RL_SCHEMA_PINS``; built once (about 10 s from PyPI)."""
+    import hashlib
+
+    key = hashlib.sha256(" ".join(NEMO_RL_SCHEMA_PINS).encode()).hexdigest()[:12]
+    venv = Path.home() / ".cache" / "alignpipe" / f"nemo-rl-schema-venv-{key}"
+    python, done = venv / "bin" / "python", venv / ".complete"
+    if not done.is_file():
+        shutil.rmtree(venv, ignore_errors=True)  # a half-built venv from an interrupted run
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", *NEMO_RL_SCHEMA_PINS], check=True)
+        done.write_text("\n".join(NEMO_RL_SCHEMA_PINS) + "\n")
+    return python
+
+
+@pytest.fixture(scope="session")
+def schema_python() -> Path:
+    return nemo_rl_schema_python()

@@ -229,7 +229,7 @@ def test_publish_megatron_keeps_the_checkpoint(repo_copy: Path, tmp_path: Path) 
     # The next stage's pretrained_checkpoint and the convert stage read this layout.
     assert CV.checkpoint_format(out) == CV.MEGATRON
     assert CV.converter_argv(out, CV.MEGATRON, tmp_path / "hf") == [
-        "python",
+        CV.MCORE_PYTHON,  # the image's Megatron venv, not the project venv (no mcore extra there)
         CV.MEGATRON_TO_HF,
         "--config",
         str(out / "config.yaml"),

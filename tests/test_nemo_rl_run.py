@@ -129,3 +129,22 @@ def test_run_refuses_without_a_nemo_rl_checkout(repo_copy: Path, tmp_path: Path,
 
     with pytest.raises(ConfigError, match="NeMo-RL checkout not found"):
         run(build_context(repo_copy, "sft", "default"))
+
+
+def test_an_invalid_config_stops_before_the_entry_script(
+    repo_copy: Path, nemo_rl_checkout: Path, nemo_rl_src: Path, schema_python: Path, monkeypatch
+) -> None:
+    """The engine's pre-flight runs NeMo-RL's own validation first: a wrong type fails in
+    seconds, naming the key, and the trainer never starts."""
+    from alignpipe.errors import ConfigError
+    from tests.conftest import set_params
+
+    compose_into(repo_copy, "default")
+    set_params(repo_copy, {"sft": {"sft": {"max_num_steps": "four"}}})
+    write_prepared(repo_copy)
+    monkeypatch.setenv("NEMO_RL_SRC", str(nemo_rl_src))
+    monkeypatch.setenv("NEMO_RL_PYTHON", str(schema_python))
+    ran = []
+    with pytest.raises(ConfigError, match=r"sft\.max_num_steps: Input should be a valid integer"):
+        run(build_context(repo_copy, "sft", "default"), runner=lambda argv, cwd: ran.append(argv) or 0)
+    assert ran == [], "the entry script must not run"

@@ -77,8 +77,15 @@ def dcp_weights_path(step_dir: Path) -> Path:
     return weights
 
 
+# The image's project venv (/opt/nemo_rl_venv, first on PATH) ends its build with a plain
+# `uv sync --all-groups`: no mcore extra, so no Megatron. Megatron code runs in the venv
+# NeMo-RL prefetches for its Megatron worker; in the container, prefetch_venvs.py puts a
+# wrapper for it on PATH (`python-<WorkerClass>`, nemo_rl/utils/prefetch_venvs.py).
+MCORE_PYTHON = "python-MegatronPolicyWorker"
+
+
 def converter_argv(
-    checkpoint_dir: Path, fmt: str, out_dir: Path, *, python: str = "python", hf_model_name: str | None = None
+    checkpoint_dir: Path, fmt: str, out_dir: Path, *, python: str | None = None, hf_model_name: str | None = None
 ) -> list[str]:
     """The command that writes ``out_dir`` as a Hugging Face model from ``checkpoint_dir`` (a step_N dir).
 
@@ -86,8 +93,8 @@ def converter_argv(
       --hf-ckpt-path OUT`` (argparse, no overrides; writes pytorch_model.bin + config + tokenizer).
     * ``megatron``: ``convert_megatron_to_hf.py --config step_N/config.yaml --megatron-ckpt-path
       step_N/policy/weights/iter_0000000 --hf-ckpt-path OUT [--hf-model-name NAME]`` (CPU, gloo).
-      Upstream launches it as ``uv run --extra mcore python ...``; the image's project venv
-      already holds the mcore extra, so ``python`` runs the same code without uv writing to /opt.
+      Upstream documents ``uv run --extra mcore python ...``; in the image that is the prefetched
+      Megatron worker venv, ``MCORE_PYTHON`` (uv would re-sync /opt/nemo_rl_venv instead).
     * ``hf_consolidated``: no converter (``[]``); copy ``policy/weights/model/consolidated`` and
       ``policy/tokenizer``.
     """
@@ -95,7 +102,7 @@ def converter_argv(
     config = str(step / "config.yaml")
     if fmt == DCP:
         return [
-            python,
+            python or "python",
             DCP_TO_HF,
             "--config",
             config,
@@ -106,7 +113,7 @@ def converter_argv(
         ]
     if fmt == MEGATRON:
         argv = [
-            python,
+            python or MCORE_PYTHON,
             MEGATRON_TO_HF,
             "--config",
             config,

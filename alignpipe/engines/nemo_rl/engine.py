@@ -30,6 +30,7 @@ import yaml
 from alignpipe.artifacts import RESOLVED_CONFIG, staged_dir, write_manifest, write_text_atomic
 from alignpipe.config import get_path
 from alignpipe.engines.nemo_rl import convert as CV
+from alignpipe.engines.nemo_rl import preflight
 from alignpipe.engines.nemo_rl.checkpoints import Choice, select_checkpoint
 from alignpipe.engines.nemo_rl.metrics import import_metrics
 from alignpipe.engines.nemo_rl.render import PATH_KEYS, RunPaths, entry_argv, render, uses_nemo_gym
@@ -310,6 +311,8 @@ def run(ctx, *, runner: CommandRunner = run_command) -> None:
         )
     paths = RunPaths(ctx.scratch_dir)
     cfg = prepare(ctx, paths, runner, workdir)
+    if preflight.nemo_rl_source(ctx) is not None:  # always inside the image (runtime.nemo_rl_dir)
+        print(preflight.require_valid(ctx, cfg).text().splitlines()[0], flush=True)
     resumed = sorted(p.name for p in paths.checkpoints.glob("step_*")) if paths.checkpoints.is_dir() else []
     if resumed:
         print(f"nemo_rl: resuming from {resumed[-1]} in {paths.checkpoints} (NeMo-RL auto-resume)")

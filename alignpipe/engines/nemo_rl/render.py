@@ -113,9 +113,9 @@ def entry_script(stage: str, cfg: dict[str, Any]) -> str:
 def entry_argv(stage: str, cfg: dict[str, Any], config_path: Path, python: str = "python") -> list[str]:
     """The command run with cwd = the NeMo-RL checkout.
 
-    The image's project venv (/opt/nemo_rl_venv, first on PATH) already holds every extra
-    (the release build runs ``uv sync --extra vllm --extra mcore ...``), so plain ``python``
-    equals ``uv run`` without uv writing to /opt as a non-root user. GRPO with alignpipe's
+    The image's project venv (/opt/nemo_rl_venv, first on PATH) is what ``uv run`` would use;
+    NeMo-RL starts each Ray worker in its own prefetched venv (vLLM, Megatron), so plain
+    ``python`` runs the entry script as upstream does, without uv writing to /opt. GRPO with alignpipe's
     verifier env goes through a small driver that registers the env, then runs
     examples/run_grpo.py itself unchanged.
     """

@@ -1,0 +1,128 @@
+"""The GPU path against NeMo-RL v0.7.0's own code: every rendered config through the entry
+script's MasterConfig validation, every launch command through the script's own parser.
+
+NeMo-RL runs from the vendored source (``nemo_rl_src``) in a small venv with its own
+uv.lock pins of pydantic/omegaconf/hydra (``schema_python``); schema_check.py stands in for
+torch, ray and vLLM, which the config classes' modules import but the schema does not use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from alignpipe.context import build_context
+from alignpipe.engines.nemo_rl import convert as CV
+from alignpipe.engines.nemo_rl import preflight
+from tests.conftest import REPO, run_cli, set_params
+
+STAGES = ("sft", "rm", "dpo", "rlvr", "rlhf")
+PROFILES = ("default", "default_megatron", "nemo_gym")
+SCHEMA = {"sft": "sft", "rm": "rm", "dpo": "dpo", "rlvr": "grpo", "rlhf": "grpo"}
+
+
+@pytest.fixture(autouse=True)
+def _upstream(nemo_rl_src: Path, schema_python: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEMO_RL_SRC", str(nemo_rl_src))
+    monkeypatch.setenv("NEMO_RL_PYTHON", str(schema_python))
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("stage", STAGES)
+def test_rendered_config_and_launch_command_pass_nemo_rl(stage: str, profile: str) -> None:
+    report = preflight.check(build_context(REPO, stage, profile))
+    assert report.ok, report.text()
+    assert report.schema == f"nemo_rl.algorithms.{SCHEMA[stage]}.MasterConfig"
+
+
+def _checker(schema_python: Path, *args: str) -> dict:
+    """schema_check.py run as the pre-flight runs it."""
+    proc = subprocess.run([str(schema_python), str(preflight.CHECKER), *args], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize(
+    "fmt, script", [(CV.DCP, CV.DCP_TO_HF), (CV.MEGATRON, CV.MEGATRON_TO_HF)], ids=["dcp", "megatron"]
+)
+def test_converter_commands_pass_the_converters_own_parsers(fmt, script, nemo_rl_src, schema_python, tmp_path):
+    (tmp_path / "step_3" / "policy" / "weights" / "iter_0000000").mkdir(parents=True)  # as NeMo-RL writes it
+    argv = CV.converter_argv(tmp_path / "step_3", fmt, tmp_path / "hf", hf_model_name="org/model")
+    assert argv[1] == script
+    result = _checker(schema_python, "argv", "--src", str(nemo_rl_src), "--", *argv)
+    assert result["ok"], result
+
+
+def test_megatron_converter_runs_in_the_images_megatron_venv(nemo_rl_src: Path, tmp_path: Path) -> None:
+    """The image's project venv has no mcore extra (its build ends with a plain `uv sync
+    --all-groups`); NeMo-RL prefetches a venv for its Megatron worker and, in the container,
+    puts `python-<WorkerClass>` on PATH for it. The converter command uses that wrapper."""
+    dockerfile = (nemo_rl_src / "docker" / "Dockerfile").read_text()
+    syncs = re.findall(r"^\s*(?:UV_LINK_MODE=\S+ )?uv sync [^\n]*", dockerfile, flags=re.M)
+    assert "--extra mcore" not in syncs[-1] and "--all-groups" in syncs[-1], syncs[-1]
+    registry = (nemo_rl_src / "nemo_rl" / "distributed" / "ray_actor_environment_registry.py").read_text()
+    assert re.search(r'"[\w.]+\.MegatronPolicyWorker": MCORE_EXECUTABLE', registry)
+    assert 'f"python-{class_name}"' in (nemo_rl_src / "nemo_rl" / "utils" / "prefetch_venvs.py").read_text()
+    assert CV.MCORE_PYTHON == "python-MegatronPolicyWorker"
+    (tmp_path / "policy" / "weights" / "iter_0000000").mkdir(parents=True)
+    assert CV.converter_argv(tmp_path, CV.MEGATRON, tmp_path / "hf")[0] == CV.MCORE_PYTHON
+
+
+@pytest.mark.parametrize(
+    "config, entry",
+    [("sft.yaml", "run_sft.py"), ("dpo.yaml", "run_dpo.py"), ("rm.yaml", "run_rm.py"),
+     ("grpo_math_1B.yaml", "run_grpo.py"), ("grpo_math_8B_megatron.yaml", "run_grpo.py")],
+)  # fmt: skip
+def test_upstreams_own_example_configs_pass_with_no_algorithm_key_flagged(config, entry, nemo_rl_src, schema_python):
+    """The unknown-key rule is no stricter than NeMo-RL: its own examples raise no error."""
+    result = _checker(schema_python, "config", "--src", str(nemo_rl_src), "--entry",
+                      f"examples/{entry}", "--config", str(nemo_rl_src / "examples" / "configs" / config))  # fmt: skip
+    assert result["ok"], result
+
+
+@pytest.fixture
+def default_profile_repo(repo_copy: Path) -> Path:
+    """A copy whose params.yaml selects the default (GPU) profile, as `dvc exp run -S profile=default`."""
+    text = subprocess.run(["alignpipe", "params"], cwd=repo_copy, capture_output=True, text=True,
+                          env={**os.environ, "ALIGNPIPE_ROOT": str(repo_copy)})  # fmt: skip
+    assert text.returncode == 0, text.stderr
+    set_params(repo_copy, {"profile": "default"})
+    return repo_copy
+
+
+def test_plan_check_says_the_config_is_valid(default_profile_repo: Path) -> None:
+    proc = run_cli(default_profile_repo, "plan", "rlvr", "--profile", "default", "--check")
+    assert "rlvr: valid for nemo_rl.algorithms.grpo.MasterConfig" in proc.stdout
+
+
+def test_plan_check_names_a_wrong_type(default_profile_repo: Path) -> None:
+    set_params(default_profile_repo, {"rlvr": {"grpo": {"max_num_steps": "fifty"}}})
+    proc = run_cli(default_profile_repo, "plan", "rlvr", "--profile", "default", "--check", check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "grpo.max_num_steps: Input should be a valid integer" in proc.stderr
+    assert "fix params.yaml rlvr.grpo.max_num_steps" in proc.stderr
+
+
+def test_plan_check_names_a_misspelled_optional_key_and_suggests_the_right_one(default_profile_repo: Path) -> None:
+    # In params.yaml, alignpipe's own knob check already refuses it, with the suggestion.
+    set_params(default_profile_repo, {"rlvr": {"grpo": {"overlong_filterng": True}}})
+    proc = run_cli(default_profile_repo, "plan", "rlvr", "--profile", "default", "--check", check=False)
+    assert proc.returncode == 2 and "Did you mean 'rlvr.grpo.overlong_filtering'?" in proc.stderr
+    # In the profile itself, NeMo-RL would silently ignore it: the pre-flight names it.
+    set_params(default_profile_repo, {"rlvr": {"grpo": {"overlong_filterng": None}}})
+    params = yaml.safe_load((default_profile_repo / "params.yaml").read_text())
+    del params["rlvr"]["grpo"]["overlong_filterng"]
+    (default_profile_repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    profile = default_profile_repo / "stages" / "rlvr" / "config" / "default.yaml"
+    profile.write_text(profile.read_text().replace("grpo:\n", "grpo:\n  overlong_filterng: true\n", 1))
+    proc = run_cli(default_profile_repo, "plan", "rlvr", "--profile", "default", "--check", check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "grpo.overlong_filterng is not a key of" in proc.stderr
+    assert "did you mean 'overlong_filtering'?" in proc.stderr
