@@ -66,7 +66,7 @@ def test_rm_learns_to_rank_chosen_above_rejected(rm_run: Path):
     metrics = json.loads((rm_run / "results" / "rm" / "metrics.json").read_text())
     assert metrics["val"]["pairwise_accuracy"] == pytest.approx(trained)
     assert metrics["val"]["reward_margin"] == pytest.approx(
-        metrics["val"]["chosen_reward_mean"] - metrics["val"]["rejected_reward_mean"], abs=1e-5
+        metrics["val"]["chosen_reward"] - metrics["val"]["rejected_reward"], abs=1e-5
     )
     assert 0.0 <= metrics["train"]["pairwise_accuracy"] <= 1.0
 

@@ -39,23 +39,10 @@ from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, publish, training
 from alignpipe.errors import UnsupportedSetting
 from alignpipe.measure.heldout import log_heldout
+from alignpipe.measure.metrics import local_keys
 
 # trainer / validation log key -> pipeline metric name (same names on the NeMo-RL engine)
-METRICS = {
-    "loss": "train/loss",
-    "rewards/accuracies": "train/preference_accuracy",
-    "rewards/chosen": "train/chosen_reward",
-    "rewards/rejected": "train/rejected_reward",
-    "rewards/margins": "train/reward_margin",
-    "grad_norm": "train/grad_norm",
-    "learning_rate": "train/lr",
-    "val_loss": "val/loss",
-    "val_preference_accuracy": "val/preference_accuracy",
-    "val_chosen_reward": "val/chosen_reward",
-    "val_rejected_reward": "val/rejected_reward",
-    "val_reward_margin": "val/reward_margin",
-    "val_kl_to_reference": "val/kl_to_reference",
-}
+METRICS = local_keys("dpo")  # TRL log key -> pipeline metric (measure/metrics.py)
 
 
 def loss_settings(ctx: StageContext) -> dict[str, Any]:

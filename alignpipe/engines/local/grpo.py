@@ -30,31 +30,7 @@ from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.generation import user_turn
 from alignpipe.measure.heldout import heldout_accuracy, heldout_completions, heldout_settings, log_heldout
 from alignpipe.measure.logprobs import kl_to_reference, load_policy
-
-# TRL log key -> pipeline metric name (same names on the NeMo-RL engine's importer).
-METRICS = {
-    "reward": "train/reward_mean",
-    "reward_std": "train/reward_std",
-    "frac_reward_zero_std": "train/frac_zero_std_groups",
-    "kl": "train/kl",
-    "completions/mean_length": "train/response_length_mean",
-    "completions/clipped_ratio": "train/truncated_fraction",
-    "entropy": "train/entropy",
-    "loss": "train/loss",
-    "grad_norm": "train/grad_norm",
-    "learning_rate": "train/lr",
-    "clip_ratio/region_mean": "train/clip_fraction",
-    # logged by our reward functions through TRL's log_metric hook
-    "verifier_accuracy": "train/verifier_accuracy",
-    "rm_score": "train/rm_score",
-    "judge_parse_fail_fraction": "train/judge_parse_fail_fraction",
-    # validation (grpo.val_period): TRL prefixes eval metrics with eval_
-    "eval_reward": "val/reward_mean",
-    "eval_reward_std": "val/reward_std",
-    "eval_completions/mean_length": "val/response_length_mean",
-    "eval_verifier_accuracy": "val/verifier_accuracy",
-    "eval_rm_score": "val/rm_score",
-}
+from alignpipe.measure.metrics import local_keys
 
 # NeMo-RL GRPO settings whose effect this engine cannot reproduce: (key, allowed values, why).
 _UNSUPPORTED: list[tuple[str, tuple[Any, ...], str]] = [
@@ -313,6 +289,7 @@ def run_grpo(ctx: StageContext, reward_fn: RewardFn, *, data_key: str = "data.tr
 
     args = GRPOConfig(**grpo_args(ctx, ctx.scratch_dir))
     live = live_log.open_live(ctx)
+    names = local_keys(ctx.name)  # TRL log key -> pipeline metric (measure/metrics.py)
     trainer_cls = make_trainer_class()
     trainer = trainer_cls(
         model=model,
@@ -321,14 +298,14 @@ def run_grpo(ctx: StageContext, reward_fn: RewardFn, *, data_key: str = "data.tr
         train_dataset=train,
         eval_dataset=val,
         processing_class=tokenizer,
-        callbacks=[live_log.make_live_callback(live, METRICS)],
+        callbacks=[live_log.make_live_callback(live, names)],
         normalize_rewards=bool(get_path(cfg, "grpo.normalize_rewards", True)),
         leave_one_out_baseline=bool(get_path(cfg, "grpo.use_leave_one_out_baseline", True)),
         advantage_clip=(get_path(cfg, "grpo.advantage_clip_low"), get_path(cfg, "grpo.advantage_clip_high")),
     )
-    training.train_resumable(ctx, trainer, live, METRICS)
+    training.train_resumable(ctx, trainer, live, names)
     if val is not None and get_path(cfg, "grpo.val_at_end", False):
-        live_log.log_to_live(live, METRICS, trainer.evaluate(), trainer.state.global_step)
+        live_log.log_to_live(live, names, trainer.evaluate(), trainer.state.global_step)
     policy = trainer.model
     policy.eval()
 

@@ -34,20 +34,10 @@ from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, publish, training
 from alignpipe.errors import UnsupportedSetting
+from alignpipe.measure.metrics import local_keys
 
 # trainer / validation log key -> pipeline metric name (same names on the NeMo-RL engine)
-METRICS = {
-    "loss": "train/loss",
-    "accuracy": "train/pairwise_accuracy",
-    "margin": "train/reward_margin",
-    "grad_norm": "train/grad_norm",
-    "learning_rate": "train/lr",
-    "val_loss": "val/loss",
-    "val_pairwise_accuracy": "val/pairwise_accuracy",
-    "val_reward_margin": "val/reward_margin",
-    "val_chosen_reward_mean": "val/chosen_reward_mean",
-    "val_rejected_reward_mean": "val/rejected_reward_mean",
-}
+METRICS = local_keys("rm")  # TRL log key -> pipeline metric (measure/metrics.py)
 
 
 def check_reward_model_cfg(ctx: StageContext) -> None:
@@ -109,8 +99,8 @@ def pairwise_metrics(model, tokenizer, pairs: list[dict[str, Any]], batch_size: 
         "val_loss": float(-F.logsigmoid(margin).mean()),
         "val_pairwise_accuracy": float((margin > 0).float().mean()),
         "val_reward_margin": float(margin.mean()),
-        "val_chosen_reward_mean": float(chosen.mean()),
-        "val_rejected_reward_mean": float(rejected.mean()),
+        "val_chosen_reward": float(chosen.mean()),
+        "val_rejected_reward": float(rejected.mean()),
     }
 
 

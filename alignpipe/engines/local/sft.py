@@ -13,16 +13,10 @@ from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, publish, training
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.heldout import log_heldout
+from alignpipe.measure.metrics import local_keys
 
 # trainer log key -> pipeline metric name (same names on the NeMo-RL engine)
-METRICS = {
-    "loss": "train/loss",
-    "mean_token_accuracy": "train/token_accuracy",
-    "grad_norm": "train/grad_norm",
-    "learning_rate": "train/lr",
-    "eval_loss": "val/loss",
-    "eval_mean_token_accuracy": "val/token_accuracy",
-}
+METRICS = local_keys("sft")  # TRL log key -> pipeline metric (measure/metrics.py)
 
 
 def resolve_model_path(ctx: StageContext, name: str) -> str:
