@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from alignpipe.engines.nemo_rl import environment as E
-from alignpipe.engines.nemo_rl.nemo_gym_data import agent_ref, convert_file
+from alignpipe.engines.nemo_rl.nemo_gym_data import BOXED_INSTRUCTION, agent_ref, convert_file
 from alignpipe.errors import ConfigError
 
 
@@ -133,7 +133,10 @@ def test_nemo_gym_rows(tmp_path: Path) -> None:
     ref = agent_ref("responses_api_agents/math_with_judge_simple_agent")
     assert convert_file(src, tmp_path / "gym" / "train.jsonl", ref) == 1
     row = json.loads((tmp_path / "gym" / "train.jsonl").read_text())
-    assert row["responses_create_params"] == {"input": [{"role": "user", "content": "sort 21"}]}
+    # math_with_judge scores \boxed{} answers: the prompt asks for one, as Gym's own math data does.
+    content = row["responses_create_params"]["input"][0]["content"]
+    assert content == BOXED_INSTRUCTION + "sort 21" and "\\boxed{}" in content
+    assert row["question"] == "sort 21"
     assert row["agent_ref"] == {"type": "responses_api_agents", "name": "math_with_judge_simple_agent"}
     assert row["expected_answer"] == "12" and row["id"] == "a" and row["verifier"] == "exact"
     with pytest.raises(ConfigError, match="must look like '<type>/<name>'"):

@@ -30,6 +30,12 @@ def agent_ref(spec: str | dict[str, Any]) -> dict[str, Any]:
     return {"type": kind, "name": name}
 
 
+# Gym's math_with_judge reads the final answer from \boxed{}; its own data asks for one in these
+# words (resources_servers/math_with_judge/data/example.jsonl). Rows for a math_with_judge agent
+# get them; prompts that already ask for a box keep theirs.
+BOXED_INSTRUCTION = "Solve the following math problem. Make sure to put the answer (and only answer) inside \\boxed{}.\n\n"
+
+
 def to_gym_row(row: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     if "responses_create_params" in row:  # already Gym-shaped
         return {"agent_ref": ref, **row}
@@ -37,8 +43,10 @@ def to_gym_row(row: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             f"row {row.get('id', '?')} has no 'prompt' (prepared rlvr/rlhf rows need prompt and answer)"
         )
+    asks = "math_with_judge" in str(ref.get("name", "")) and "\\boxed" not in row["prompt"]
+    content = BOXED_INSTRUCTION + row["prompt"] if asks else row["prompt"]
     gym = {
-        "responses_create_params": {"input": [{"role": "user", "content": row["prompt"]}]},
+        "responses_create_params": {"input": [{"role": "user", "content": content}]},
         "agent_ref": ref,
         "question": row["prompt"],
     }

@@ -1,0 +1,105 @@
+"""The NeMo-Gym path against the Gym NeMo-RL v0.7.0 really runs: nemo-gym 0.4.0 (its submodule's
+tag), in its own Python >= 3.12 venv (.ci/install-gym.sh, cached in ~/.cache/alignpipe).
+
+Both nemo_gym renders resolve with Gym's own GlobalConfigDictParser, called as NeMo-RL calls it,
+and every server's config validates with its app's own config class (tests/nemo_gym_probe.py);
+the local `math` verifier and Gym's math_with_judge agree on a table of answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from alignpipe.rewards import score_completion
+from tests.conftest import REPO, run_cli
+
+GYM_VENV = Path(os.environ.get("ALIGNPIPE_GYM_VENV", Path.home() / ".cache" / "alignpipe" / "gym-0.4.0-venv"))
+PROBE = REPO / "tests" / "nemo_gym_probe.py"
+
+
+@pytest.fixture(scope="session")
+def gym_python() -> Path:
+    """Gym 0.4.0's interpreter; installs it (once) the way CI does. Fails, never skips."""
+    if not (GYM_VENV / ".complete").is_file():
+        proc = subprocess.run(["bash", str(REPO / ".ci" / "install-gym.sh")], capture_output=True, text=True)
+        assert proc.returncode == 0, f".ci/install-gym.sh failed:\n{proc.stdout}\n{proc.stderr}"
+    return GYM_VENV / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> dict[str, Path]:
+    """The pipeline's own nemo_gym renders of rlvr and rlhf (`alignpipe plan --write`)."""
+    out = tmp_path_factory.mktemp("gym_renders")
+    for stage in ("rlvr", "rlhf"):
+        run_cli(REPO, "plan", stage, "--profile", "nemo_gym", "--write", str(out))
+    return {stage: out / f"{stage}.nemo_rl.yaml" for stage in ("rlvr", "rlhf")}
+
+
+EXPECTED_SERVERS = {
+    "rlvr": {
+        "policy_model": "VLLMModelConfig",
+        "math_with_judge": "LibraryJudgeMathResourcesServerConfig",
+        "math_with_judge_simple_agent": "SimpleAgentConfig",
+    },
+    "rlhf": {
+        "policy_model": "VLLMModelConfig",
+        "policy_model_reasoning_off": "VLLMModelConfig",
+        "genrm_model": "GenRMModelConfig",
+        "genrm_compare_resources_server": "GenRMCompareConfig",
+        "genrm_simple_agent": "SimpleAgentConfig",
+        "genrm_simple_agent_reasoning_off": "SimpleAgentConfig",
+    },
+}
+
+
+@pytest.mark.parametrize("stage", ["rlvr", "rlhf"])
+def test_nemo_gym_config_resolves_with_gyms_own_parser(stage, gym_python, rendered):
+    with rendered[stage].open() as f:
+        proc = subprocess.run([str(gym_python), str(PROBE)], stdin=f, capture_output=True, text=True, timeout=300)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"], result.get("error", "") + "\n" + result.get("trace", "") + proc.stderr[-2000:]
+    assert {s["instance"]: s["config_class"] for s in result["servers"]} == EXPECTED_SERVERS[stage]
+
+
+# (gold, answer, expected score). Gym's math_with_judge and the local `math` verifier wrap the gold
+# in \boxed{} and run math-verify's math_metric with the same extraction configs (Gym pins
+# math-verify 0.8.0, the project 0.9.x): on all of these they must give the same score.
+CASES = [
+    ("33", "The answer is \\boxed{33}.", 1.0),
+    ("33", "\\boxed{34}", 0.0),
+    ("0125", "\\boxed{125}", 1.0),
+    ("\\frac{1}{2}", "\\boxed{0.5}", 1.0),
+    ("\\frac{1}{2}", "\\boxed{\\frac{2}{4}}", 1.0),
+    ("2\\sqrt{2}", "\\boxed{\\sqrt{8}}", 1.0),
+    ("x^2+2x+1", "\\boxed{(x+1)^2}", 1.0),
+    ("(1, 2)", "\\boxed{(1,2)}", 1.0),
+    ("12", "so 12", 1.0),
+    ("12", "I think it is 13", 0.0),
+]
+
+GYM_SCORE = """
+import json, sys
+from math_verify.metric import math_metric
+from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig
+from resources_servers.math_with_judge.app import _run_math_verify
+verifier = math_metric(gold_extraction_target=(LatexExtractionConfig(),),
+                       pred_extraction_target=(ExprExtractionConfig(), LatexExtractionConfig()))
+print(json.dumps([_run_math_verify(verifier, gold, answer)[0] for gold, answer in json.load(sys.stdin)]))
+"""
+
+
+def test_local_math_verifier_agrees_with_gyms_math_with_judge(gym_python):
+    pairs = [[gold, answer] for gold, answer, _ in CASES]
+    proc = subprocess.run([str(gym_python), "-c", GYM_SCORE], input=json.dumps(pairs), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    gym = json.loads(proc.stdout)
+    local = [score_completion({"verifier": "math", "answer": gold}, answer) for gold, answer, _ in CASES]
+    expected = [score for _, _, score in CASES]
+    assert gym == expected, list(zip(CASES, gym, strict=True))
+    assert local == expected, list(zip(CASES, local, strict=True))
