@@ -64,3 +64,17 @@ def test_every_nemo_rl_tag_is_one_upstream_logs(nemo_rl_src: Path) -> None:
             if key == "total_reward/mean":  # NeMo-Gym's aggregate, "<metric>/mean" of total_reward
                 key = "total_reward"
             assert f'"{key}"' in source or f"'{key}'" in source, f"{stage}: NeMo-RL logs no {tag}"
+
+
+def test_nemo_rl_dpo_rewards_are_put_on_trls_scale() -> None:
+    """NeMo-RL's DPO loss logs log-ratios before beta (loss_functions.py _preference_loss); TRL's
+    rewards/* are beta * log-ratio. The importer multiplies by the run's beta."""
+    from alignpipe.engines.nemo_rl.metrics import map_scalars
+
+    scalars = {"train/rewards_chosen_mean": {1: 2.0}, "validation-default/rewards_rejected_mean": {1: -4.0},
+               "train/accuracy": {1: 0.5}}
+    mapped = map_scalars("dpo", scalars, {"dpo": {"reference_policy_kl_penalty": 0.1}})
+    assert mapped["train/chosen_reward"] == {1: pytest.approx(0.2)}
+    assert mapped["val/rejected_reward"] == {1: pytest.approx(-0.4)}
+    assert mapped["train/preference_accuracy"] == {1: 0.5}  # unscaled
+    assert map_scalars("rm", {"validation-default/rewards_chosen_mean": {1: 2.0}})["val/chosen_reward"] == {1: 2.0}

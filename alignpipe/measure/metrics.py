@@ -19,6 +19,8 @@ class Metric:
     local: str | None
     nemo_rl: tuple[str, ...] = ()
     meaning: str = ""
+    # A config key whose value multiplies NeMo-RL's value to put it on the local engine's scale.
+    nemo_rl_scale: str | None = None
 
 
 _OPTIMIZER = (
@@ -26,21 +28,29 @@ _OPTIMIZER = (
     Metric("train/grad_norm", "grad_norm", ("train/grad_norm",), "gradient norm before clipping"),
     Metric("train/lr", "learning_rate", ("train/lr",), "learning rate"),
 )
-_PAIRS = (  # preference pairs: dpo's implicit reward, rm's score
-    Metric("val/loss", "val_loss", ("validation-default/loss",), "validation loss"),
-    Metric("val/chosen_reward", "val_chosen_reward", ("validation-default/rewards_chosen_mean",),
-           "mean reward of chosen validation answers"),
-    Metric("val/rejected_reward", "val_rejected_reward", ("validation-default/rewards_rejected_mean",),
-           "mean reward of rejected validation answers"),
-    Metric("val/reward_margin", "val_reward_margin", (), "chosen minus rejected reward (local only)"),
-)
-
-
-def _train_pair_rewards(chosen: str | None, rejected: str | None) -> tuple[Metric, ...]:
+def _pairs(scale: str | None) -> tuple[Metric, ...]:
+    """Preference-pair metrics: dpo's implicit reward, rm's score. NeMo-RL logs DPO's rewards as
+    log-ratios before beta, TRL as beta * log-ratio: ``scale`` names beta for dpo."""
     return (
-        Metric("train/chosen_reward", chosen, ("train/rewards_chosen_mean",), "mean reward of chosen answers"),
-        Metric("train/rejected_reward", rejected, ("train/rewards_rejected_mean",), "mean reward of rejected answers"),
+        Metric("val/loss", "val_loss", ("validation-default/loss",), "validation loss"),
+        Metric("val/chosen_reward", "val_chosen_reward", ("validation-default/rewards_chosen_mean",),
+               "mean reward of chosen validation answers", scale),
+        Metric("val/rejected_reward", "val_rejected_reward", ("validation-default/rewards_rejected_mean",),
+               "mean reward of rejected validation answers", scale),
+        Metric("val/reward_margin", "val_reward_margin", (), "chosen minus rejected reward (local only)"),
     )
+
+
+def _train_pair_rewards(chosen: str | None, rejected: str | None, scale: str | None) -> tuple[Metric, ...]:
+    return (
+        Metric("train/chosen_reward", chosen, ("train/rewards_chosen_mean",), "mean reward of chosen answers",
+               scale),
+        Metric("train/rejected_reward", rejected, ("train/rewards_rejected_mean",),
+               "mean reward of rejected answers", scale),
+    )
+
+
+_DPO_BETA = "dpo.reference_policy_kl_penalty"
 
 
 _GRPO = (
@@ -72,8 +82,8 @@ VOCABULARY: dict[str, tuple[Metric, ...]] = {
     ),
     "dpo": (
         *_OPTIMIZER,
-        *_PAIRS,
-        *_train_pair_rewards("rewards/chosen", "rewards/rejected"),
+        *_pairs(_DPO_BETA),
+        *_train_pair_rewards("rewards/chosen", "rewards/rejected", _DPO_BETA),
         Metric("train/preference_accuracy", "rewards/accuracies", ("train/accuracy",), "chosen reward > rejected"),
         Metric("val/preference_accuracy", "val_preference_accuracy", ("validation-default/accuracy",),
                "chosen reward > rejected on validation pairs"),
@@ -84,8 +94,8 @@ VOCABULARY: dict[str, tuple[Metric, ...]] = {
     ),
     "rm": (
         *_OPTIMIZER,
-        *_PAIRS,
-        *_train_pair_rewards(None, None),  # TRL's RewardTrainer logs mean_reward, not per side
+        *_pairs(None),
+        *_train_pair_rewards(None, None, None),  # TRL's RewardTrainer logs mean_reward, not per side
         Metric("train/pairwise_accuracy", "accuracy", ("train/accuracy",), "chosen score > rejected"),
         Metric("val/pairwise_accuracy", "val_pairwise_accuracy", ("validation-default/accuracy",),
                "chosen score > rejected on validation pairs"),
@@ -120,5 +130,9 @@ def local_keys(stage: str) -> dict[str, str]:
 
 def nemo_rl_tags(stage: str) -> dict[str, str]:
     """NeMo-RL TensorBoard tag -> pipeline metric name (tags without an entry are not imported)."""
-    table = VOCABULARY.get(stage, _OPTIMIZER)
-    return {tag: m.name for m in table for tag in m.nemo_rl}
+    return {tag: m.name for m in VOCABULARY.get(stage, _OPTIMIZER) for tag in m.nemo_rl}
+
+
+def nemo_rl_scales(stage: str) -> dict[str, str]:
+    """Pipeline metric name -> the config key whose value multiplies NeMo-RL's value."""
+    return {m.name: m.nemo_rl_scale for m in VOCABULARY.get(stage, _OPTIMIZER) if m.nemo_rl_scale}

@@ -258,7 +258,7 @@ def publish(
         summary: dict[str, Any] = {}
         if metrics_port is not None:
             with staged_dir(ctx.output(metrics_port.name)) as mdir:
-                summary = import_metrics(ctx.name, paths.logs, mdir, extra_summary)
+                summary = import_metrics(ctx.name, paths.logs, mdir, extra_summary, cfg)
                 write_text_atomic(mdir / RESOLVED_CONFIG, ctx.resolved_config_yaml())
         elif heldout:
             summary = {"heldout": heldout}

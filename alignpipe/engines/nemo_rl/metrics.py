@@ -5,7 +5,8 @@ NeMo-RL logs ``<prefix>/<name>`` scalars (nemo-rl.md §9) to
 names, from the one vocabulary both engines use (``alignpipe.measure.metrics``), so the two
 engines' ``results/<stage>/`` diff and plot together. Tags the vocabulary does not list
 (timing/*, ray/*, performance/*, histograms) are not imported. ``heldout/*`` is computed after
-training with ``measure.heldout`` and added to the summary.
+training with ``measure.heldout`` and added to the summary. NeMo-RL's DPO rewards are
+log-ratios before beta; they are multiplied by ``dpo.reference_policy_kl_penalty`` to match TRL's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from alignpipe.measure.metrics import nemo_rl_tags
+from alignpipe.config import get_path
+from alignpipe.measure.metrics import nemo_rl_scales, nemo_rl_tags
 
 
 def event_dirs(log_dir: Path) -> list[Path]:
@@ -38,9 +40,18 @@ def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
     return dict(series)
 
 
-def map_scalars(stage: str, scalars: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
-    table = nemo_rl_tags(stage)
-    return {table[tag]: values for tag, values in scalars.items() if tag in table}
+def map_scalars(
+    stage: str, scalars: dict[str, dict[int, float]], cfg: dict[str, Any] | None = None
+) -> dict[str, dict[int, float]]:
+    """NeMo-RL tags -> pipeline names, on the local engine's scale (e.g. DPO rewards times beta)."""
+    table, scales = nemo_rl_tags(stage), nemo_rl_scales(stage)
+    out = {}
+    for tag, values in scalars.items():
+        if tag in table:
+            name = table[tag]
+            factor = float(get_path(cfg or {}, scales[name], 1.0)) if name in scales else 1.0
+            out[name] = {step: value * factor for step, value in values.items()}
+    return out
 
 
 def write_dvclive(
@@ -67,7 +78,8 @@ def write_dvclive(
 
 
 def import_metrics(
-    stage: str, log_dir: Path, out_dir: Path, extra_summary: dict[str, Any] | None = None
+    stage: str, log_dir: Path, out_dir: Path, extra_summary: dict[str, Any] | None = None,
+    cfg: dict[str, Any] | None = None,
 ) -> dict:
     """NeMo-RL TensorBoard logs -> ``out_dir`` (DVCLive) under the pipeline's names."""
-    return write_dvclive(out_dir, map_scalars(stage, read_scalars(log_dir)), extra_summary)
+    return write_dvclive(out_dir, map_scalars(stage, read_scalars(log_dir), cfg), extra_summary)
