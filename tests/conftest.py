@@ -38,6 +38,15 @@ if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
 DVC_LIKE_PARENT = [sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"]
 
 
+def with_default_sigint() -> None:
+    """``preexec_fn`` for a stage started by a test that sends it Ctrl-C: a shell running the
+    suite in the background (``make test &``) leaves SIGINT ignored, and Python keeps an
+    inherited SIG_IGN, so the stage would never see the interrupt the test sends."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def project_files(root: Path = REPO) -> list[str]:
     """Tracked files plus new, not-ignored ones: what a clone of this work would hold."""
     out = subprocess.run(

@@ -27,7 +27,7 @@ import pytest
 
 from alignpipe.errors import ConfigError
 from alignpipe.launch.container import ContainerLauncher, container_name
-from tests.conftest import DVC_LIKE_PARENT, OFFLINE, REPO, copy_repo
+from tests.conftest import DVC_LIKE_PARENT, OFFLINE, REPO, copy_repo, with_default_sigint
 
 CACHE = Path.home() / ".cache" / "alignpipe" / "container"
 ROOTFS_TAR = CACHE / "bookworm-python-libs.tar"
@@ -304,7 +304,8 @@ def test_interrupt_stops_the_container(test_image: str, tmp_path: Path, sig: sig
     log = tmp_path / "launcher.log"
     with log.open("w") as out:
         proc = subprocess.Popen([*DVC_LIKE_PARENT, *argv] if to_parent else argv, cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                   preexec_fn=with_default_sigint)
     try:
         deadline = time.monotonic() + 120
         while not _names(name):

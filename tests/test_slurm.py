@@ -26,7 +26,7 @@ from alignpipe.errors import AlignpipeError, ConfigError  # noqa: E402
 from alignpipe.launch import get_launcher  # noqa: E402
 from alignpipe.launch.slurm import SlurmLauncher, SlurmSettings, job_exit_code  # noqa: E402
 from tests.clusters import SlurmCluster, free_ports, stage_env, stage_root, wait_until  # noqa: E402
-from tests.conftest import DVC_LIKE_PARENT  # noqa: E402
+from tests.conftest import DVC_LIKE_PARENT, with_default_sigint  # noqa: E402
 
 # The cluster fixtures (slurm_cluster, slurm) live in tests/clusters.py.
 pytest_plugins = ["tests.clusters"]
@@ -137,7 +137,8 @@ def test_interrupting_the_stage_cancels_the_job(
     argv = [sys.executable, "-c", WATCHER, str(tmp_path)]
     with log.open("w") as f:
         watcher = subprocess.Popen([*DVC_LIKE_PARENT, *argv] if to_parent else argv, stdout=f,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+                                   stderr=subprocess.STDOUT, start_new_session=True,
+                                   preexec_fn=with_default_sigint)
     try:
         found: dict[str, str] = {}
 
