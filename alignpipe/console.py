@@ -39,6 +39,8 @@ def quiet_libraries(log_file: Path) -> None:
     handler = logging.FileHandler(log_file, mode="w", encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
     root = logging.getLogger()
+    for previous in root.handlers:  # a second stage in one process (tests) replaces the first's file
+        previous.close()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
     logging.captureWarnings(True)

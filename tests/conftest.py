@@ -33,9 +33,15 @@ if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
     os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
 
 
-# A stand-in for `dvc repro`: runs a command as its child and, like DVC, does not pass SIGTERM
-# on; it just dies. Launchers' tests put the stage under it to check the stage follows its parent.
-DVC_LIKE_PARENT = [sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"]
+# A stand-in for `dvc repro`: runs a command through `/bin/sh -c`, as DVC does when SHELL is
+# unset, and like DVC does not pass SIGTERM on; it just dies. Debian's sh (dash) forks and
+# waits, so the stage's parent is a shell that outlives this one. Launchers' tests put the
+# stage under it to check the stage follows the process that started it.
+DVC_LIKE_PARENT = [
+    sys.executable,
+    "-c",
+    "import shlex, subprocess, sys; sys.exit(subprocess.call(['/bin/sh', '-c', shlex.join(sys.argv[1:])]))",
+]
 
 
 def with_default_sigint() -> None:

@@ -32,15 +32,18 @@ def stage_processes(root: Path) -> list[psutil.Process]:
     return found
 
 
+# DVC runs a stage's cmd with `$SHELL -c` (else /bin/sh): bash execs the lone command, so the
+# stage is dvc's child; Debian's sh (dash) forks and waits, so a shell sits between them.
 @pytest.mark.slow
-def test_sigterm_to_dvc_alone_stops_the_stage_and_repro_resumes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shell", ["/bin/bash", "/bin/sh"])
+def test_sigterm_to_dvc_alone_stops_the_stage_and_repro_resumes(tmp_path: Path, shell: str) -> None:
     root = copy_repo(tmp_path / "repo", git=True)
     # long enough that an orphaned trainer would still be running 10 s after dvc died
     set_params(root, {"sft": {"sft": {"max_num_steps": 400}}})
     cfg = root / "stages" / "sft" / "config" / "tiny.yaml"
     cfg.write_text(cfg.read_text().replace("save_period: 50", "save_period: 10"))
     scratch = tmp_path / "scratch"
-    env = {**os.environ, **OFFLINE, "ALIGNPIPE_SCRATCH": str(scratch)}
+    env = {**os.environ, **OFFLINE, "ALIGNPIPE_SCRATCH": str(scratch), "SHELL": shell}
 
     dvc = subprocess.Popen(
         ["dvc", "repro", "sft"],
