@@ -3,18 +3,23 @@ tag), in its own Python >= 3.12 venv (.ci/install-gym.sh, cached in ~/.cache/ali
 
 Both nemo_gym renders resolve with Gym's own GlobalConfigDictParser, called as NeMo-RL calls it,
 and every server's config validates with its app's own config class (tests/nemo_gym_probe.py);
-the local `math` verifier and Gym's math_with_judge agree on a table of answers.
+the local `math` verifier and Gym's math_with_judge agree on a table of answers; and one real
+rollout of the rlvr environment scores right and wrong answers (tests/nemo_gym_rollout.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from alignpipe.config import get_path
+from alignpipe.context import build_context
+from alignpipe.engines.nemo_rl.nemo_gym_data import BOXED_INSTRUCTION, agent_ref, convert_file
 from alignpipe.rewards import score_completion
 from tests.conftest import REPO, run_cli
 
@@ -103,3 +108,45 @@ def test_local_math_verifier_agrees_with_gyms_math_with_judge(gym_python):
     expected = [score for _, _, score in CASES]
     assert gym == expected, list(zip(CASES, gym, strict=True))
     assert local == expected, list(zip(CASES, local, strict=True))
+
+
+ROLLOUT = REPO / "tests" / "nemo_gym_rollout.py"
+
+
+def test_rlvr_rollout_through_gyms_real_servers_scores_the_answers(gym_python, rendered, tmp_path):
+    """Rows converted by the engine's own code go through Gym's simple_agent -> vllm_model ->
+    math_with_judge servers (real subprocesses); only vLLM is a loopback stand-in."""
+    prepared = [
+        {"id": "right", "prompt": "What is 30 + 3?", "answer": "33"},
+        {"id": "wrong", "prompt": "What is 5 + 7?", "answer": "12"},
+        {"id": "padded", "prompt": "Write 125 with four digits.", "answer": "0125"},
+        {"id": "bare", "prompt": "What is 6 + 6?", "answer": "12"},
+    ]
+    replies = {
+        "30 + 3": "30 + 3 = \\boxed{33}.",
+        "5 + 7": "5 + 7 = \\boxed{13}",
+        "four digits": "\\boxed{125}",
+        "6 + 6": "so 12",
+    }
+    ctx = build_context(REPO, "rlvr", "nemo_gym")
+    ref = agent_ref(get_path(ctx.config, "alignpipe.nemo_gym.default_agent_ref"))
+    (tmp_path / "prepared.jsonl").write_text("".join(json.dumps(row) + "\n" for row in prepared))
+    convert_file(tmp_path / "prepared.jsonl", tmp_path / "rows.jsonl", ref)  # what the engine runs
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert all(BOXED_INSTRUCTION in row["responses_create_params"]["input"][0]["content"] for row in rows)
+    (tmp_path / "replies.json").write_text(json.dumps(replies))
+
+    proc = subprocess.Popen(
+        [str(gym_python), str(ROLLOUT), str(rendered["rlvr"]), "rows.jsonl", "replies.json"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the servers are in its session
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(next(line for line in out.splitlines() if line.startswith('{"rewards"')))
+    # Right boxed answer 1.0, wrong 0.0; math-verify equates 125 with gold 0125; Gym 0.4.0 also
+    # reads a bare final number (the boxed instruction is still what its own math data asks).
+    assert result["rewards"] == [1.0, 0.0, 1.0, 1.0], result
