@@ -266,6 +266,9 @@ def ray_cluster() -> Iterator[RayCluster]:
         # Jobs run `alignpipe` from the same venv (the repo and venv are shared with the "cluster").
         "PATH": BIN + os.pathsep + os.environ.get("PATH", ""),
         "RAY_USAGE_STATS_ENABLED": "0",
+        # A loopback test cluster without token auth: Ray >= 2.60 turns it on for a new head
+        # whenever ~/.ray/auth_token exists (any local `ray.init()` writes one).
+        "RAY_AUTH_MODE": "disabled",
     }
     argv = [
         str(Path(BIN) / "ray"),

@@ -139,6 +139,9 @@ def test_rlvr_rollout_through_gyms_real_servers_scores_the_answers(gym_python, r
     proc = subprocess.Popen(
         [str(gym_python), str(ROLLOUT), str(rendered["rlvr"]), "rows.jsonl", "replies.json"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        # Gym starts a local Ray; Ray >= 2.60 would write ~/.ray/auth_token for it, and every
+        # later `ray start` on this machine would then demand that token.
+        env={**os.environ, "HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"},
     )  # fmt: skip
     try:
         out, err = proc.communicate(timeout=300)
