@@ -129,6 +129,7 @@ def write_manifest(
     inputs: dict[str, dict[str, str]] | None = None,
     metrics: dict[str, Any] | None = None,
     image: str | None = None,
+    source_model: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write ``artifact.json``: what this is, who made it, from what, and how good it is."""
@@ -149,6 +150,8 @@ def write_manifest(
     # The slurm and ray launchers export the scheduler's job id ("slurm:123", "ray:<id>").
     if os.environ.get("ALIGNPIPE_JOB_ID"):
         manifest["job"] = os.environ["ALIGNPIPE_JOB_ID"]
+    if source_model:  # the starting model this descends from (models/base's; starting_model.py)
+        manifest["source_model"] = source_model
     if extra:
         manifest.update(extra)
     write_json_atomic(Path(directory) / MANIFEST, manifest)

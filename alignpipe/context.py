@@ -5,6 +5,7 @@ and the offline environment. Ground floor: engines and launchers read it; stage.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from typing import Any
 import yaml
 
 from alignpipe import config as C
-from alignpipe.artifacts import dvc_hash
+from alignpipe.artifacts import MANIFEST, dvc_hash
 from alignpipe.errors import ConfigError
 
 ENGINES = ("local", "nemo_rl")
@@ -110,6 +111,18 @@ class StageContext:
             for name, path in self.inputs.items()
             if path.exists()
         }
+
+    @functools.cached_property
+    def source_model(self) -> dict[str, Any] | None:
+        """The starting model the input checkpoints descend from (their artifact.json
+        ``source_model``, first written by base): carried into what this stage makes."""
+        for path in self.inputs.values():
+            manifest = path / MANIFEST
+            if manifest.is_file():
+                found = json.loads(manifest.read_text()).get("source_model")
+                if found:
+                    return found
+        return None
 
     @functools.cached_property
     def run_key(self) -> str:

@@ -172,15 +172,17 @@ def test_warm_start_hf_vs_megatron(tmp_path: Path) -> None:
             "path": "/repo/models/sft/policy/weights",
             "format": "megatron_bridge",
         }
-        # The HF architecture still comes from an HF id; the tokenizer from the sft artifact.
-        assert mg["policy"]["model_name"] == "meta-llama/Llama-3.2-1B-Instruct"
+        # The HF architecture is the starting model's (models/base); the tokenizer the sft artifact's.
+        assert mg["policy"]["model_name"] == "/repo/models/base"
         assert mg["policy"]["tokenizer"]["name"] == "/repo/models/sft/policy/tokenizer"
         assert (
             mg["policy"]["make_sequence_length_divisible_by"]
             == mg["policy"]["megatron_cfg"]["tensor_model_parallel_size"]
         )
-    # The first stage starts from the HF hub model; rm stays DTensor (NeMo-RL RMs are DTensor-only).
-    assert rendered("sft", "default", tmp_path)["policy"]["model_name"] == "meta-llama/Llama-3.2-1B-Instruct"
+    # The first stage starts from the starting model base materialised (model.name, content-hashed
+    # by DVC), never from a Hub id; rm stays DTensor (NeMo-RL RMs are DTensor-only).
+    sft = rendered("sft", "default", tmp_path)["policy"]
+    assert sft["model_name"] == sft["tokenizer"]["name"] == "/repo/models/base"
     rm = rendered("rm", "default_megatron", tmp_path)
     assert (
         rm["policy"]["dtensor_cfg"]["enabled"] is True and rm["policy"]["reward_model_cfg"]["enabled"] is True

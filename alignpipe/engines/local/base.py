@@ -1,12 +1,21 @@
-"""Stage ``base``: the tiny offline base model (tokenizer trained on the prepared text)."""
+"""Stage ``base``: the starting model, into models/base (``model.name``; alignpipe.starting_model).
+
+Null builds the tiny offline model (a tokenizer trained on the prepared text); a local
+Hugging Face directory is copied and a Hub id fetched. Either way the chat template and
+generation config are the model's own; a missing pad token falls back to EOS here, once.
+"""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from alignpipe import console, tiny
+from alignpipe import starting_model as SM
+from alignpipe.artifacts import staged_dir
 from alignpipe.context import StageContext
 from alignpipe.engines.local import publish
+from alignpipe.errors import ConfigError
 
 
 def corpus(prepared) -> list[str]:
@@ -31,6 +40,49 @@ def corpus(prepared) -> list[str]:
 
 
 def run(ctx: StageContext) -> None:
+    source = SM.model_source(ctx.params)
+    if source.kind == "tiny":
+        build_tiny(ctx)
+    else:
+        materialise(ctx, source)
+
+
+def materialise(ctx: StageContext, source: SM.ModelSource) -> None:
+    """A local directory or Hub model into models/base, checked to load, with its lineage."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    final = ctx.output("model")
+    with staged_dir(final) as out:
+        if source.kind == "local":
+            src = Path(source.name).expanduser()
+            SM.copy_local(src, out)
+            origin = SM.lineage(source, src)
+        else:
+            commit = SM.download(source, out)
+            origin = SM.lineage(source, out, commit)
+        try:
+            config = AutoConfig.from_pretrained(out, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+        except Exception as e:
+            raise ConfigError(f"model.name {source.name}: transformers cannot load it ({type(e).__name__}: {e})") from e
+        if not tokenizer.chat_template:
+            raise ConfigError(
+                f"model.name {source.name}: its tokenizer has no chat template, and every stage formats "
+                f"conversations with it; use an instruct model, or add chat_template.jinja to the directory"
+            )
+        pad_from_eos = SM.ensure_pad_token(tokenizer)
+        if pad_from_eos:
+            tokenizer.save_pretrained(out)
+        parameters = SM.count_parameters(out)
+        origin["pad_token"] = "eos (the model has none)" if pad_from_eos else tokenizer.pad_token
+        publish.write_record(out, ctx, type="checkpoint_hf", format="hf",
+                             metrics={"parameters": parameters, "vocab_size": len(tokenizer)}, source_model=origin,
+                             extra={"architecture": (config.architectures or [None])[0]})  # fmt: skip
+    console.outcome("base", {"model": origin["name"], "parameters": f"{parameters:,}", "vocabulary": len(tokenizer)},
+                    final.relative_to(ctx.root), ctx.started)  # fmt: skip
+
+
+def build_tiny(ctx: StageContext) -> None:
     cfg = ctx.config
     texts = corpus(ctx.input("data"))
     if not texts:
@@ -38,7 +90,8 @@ def run(ctx: StageContext) -> None:
     tokenizer = tiny.train_char_tokenizer(texts, min_frequency=cfg["tokenizer"].get("min_frequency", 1))
     model = tiny.build_causal_lm(tokenizer, cfg["model"], seed=ctx.seed)
     publish.publish_model(
-        ctx, "model", model, tokenizer, {"parameters": tiny.count_parameters(model), "vocab_size": len(tokenizer)}
+        ctx, "model", model, tokenizer, {"parameters": tiny.count_parameters(model), "vocab_size": len(tokenizer)},
+        source_model={"kind": "tiny", "name": "tiny (built offline from data/prepared and stages/base/config)"},
     )
     console.outcome("base", {"parameters": f"{tiny.count_parameters(model):,}", "vocabulary": len(tokenizer)},
                     ctx.output("model").relative_to(ctx.root), ctx.started)

@@ -23,6 +23,7 @@ within ``alignpipe.export.verify.logits_atol``. A failed check publishes nothing
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import shutil
 import subprocess
@@ -134,20 +135,16 @@ def run_converter(ctx: StageContext, argv: list[str]) -> None:
 # ----------------------------------------------------------------------------- export
 
 
-def generation_config(tokenizer, settings: dict[str, Any]):
-    """Sampling defaults shipped with the export (``generation_config.json``)."""
-    from transformers import GenerationConfig
-
-    return GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        do_sample=bool(settings.get("do_sample", True)),
-        temperature=float(settings.get("temperature", 1.0)),
-        top_p=float(settings.get("top_p", 1.0)),
-        top_k=int(settings.get("top_k", 0)),
-        max_new_tokens=int(settings.get("max_new_tokens", 32)),
-    )
+def generation_config(model, tokenizer, overrides: dict[str, Any]):
+    """``generation_config.json`` of the export: the model's own (it came from the starting
+    model through every stage), missing special-token ids filled from the tokenizer, then
+    the profile's ``export.generation`` overrides, if any."""
+    config = copy.deepcopy(model.generation_config)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(config, key, None) is None:
+            setattr(config, key, getattr(tokenizer, key))
+    config.update(**overrides)
+    return config
 
 
 def cast(model, dtype: str | None):
@@ -259,6 +256,10 @@ def model_card(
         f"| source checkpoint | `{ctx.input('checkpoint').relative_to(ctx.root)}` format `{manifest.get('format')}`, "
         f"DVC md5 `{source_hash}` |",
     ]
+    origin = manifest.get("source_model") or {}
+    if origin:
+        digest = f" DVC md5 `{origin['hash']}`" if origin.get("hash") else ""
+        lines.append(f"| starting model | `{origin.get('name')}`{digest} |")
     for name, entry in sorted((manifest.get("inputs") or {}).items()):
         lines.append(f"| input of `{stage}`: {name} | `{entry.get('path')}` DVC md5 `{entry.get('hash')}` |")
     lines += [
@@ -375,7 +376,7 @@ def run(ctx: StageContext) -> None:
     final_dtype = str(exported.dtype).removeprefix("torch.")
 
     with staged_dir(ctx.output("export")) as out:
-        exported.generation_config = generation_config(tokenizer, export.get("generation") or {})
+        exported.generation_config = generation_config(exported, tokenizer, export.get("generation") or {})
         exported.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
         training_cfg = ctx.input("checkpoint") / RESOLVED_CONFIG

@@ -17,13 +17,15 @@ def publish_model(
     tokenizer,
     metrics: dict[str, Any],
     extra: dict[str, Any] | None = None,
+    source_model: dict[str, Any] | None = None,
 ) -> Path:
     """Save an HF directory with its manifest and resolved config, atomically."""
     final = ctx.output(output)
     with staged_dir(final) as out:
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
-        write_record(out, ctx, type="checkpoint_hf", format="hf", metrics=metrics, extra=extra)
+        write_record(out, ctx, type="checkpoint_hf", format="hf", metrics=metrics, extra=extra,
+                     source_model=source_model or ctx.source_model)  # fmt: skip
     return final
 
 
@@ -31,6 +33,7 @@ def write_record(out: Path, ctx: StageContext, *, type: str, format: str, **fiel
     """What every output directory of this engine carries: resolved_config.yaml and artifact.json
     (with the stage's input hashes as lineage)."""
     write_text_atomic(out / RESOLVED_CONFIG, ctx.resolved_config_yaml())
+    fields.setdefault("source_model", ctx.source_model)
     write_manifest(
         out, type=type, format=format, stage=ctx.name, engine="local", inputs=ctx.input_hashes, **fields
     )
@@ -38,4 +41,5 @@ def write_record(out: Path, ctx: StageContext, *, type: str, format: str, **fiel
 
 def write_hf_manifest(out: Path, ctx: StageContext, **fields: Any) -> None:
     """artifact.json of an HF checkpoint directory this engine wrote."""
+    fields.setdefault("source_model", ctx.source_model)
     write_manifest(out, type="checkpoint_hf", format="hf", stage=ctx.name, engine="local", **fields)

@@ -274,6 +274,7 @@ def publish(
             inputs=ctx.input_hashes,
             metrics=summary,
             image=ctx.runtime.get("image"),
+            source_model=ctx.source_model,
             extra={
                 "nemo_rl": {
                     "version": "0.7.0",

@@ -1,0 +1,135 @@
+"""The starting model, ``model.name`` in conf/config.yaml: every policy descends from it.
+
+* null: the tiny model built offline (``alignpipe.tiny``);
+* a local Hugging Face directory: copied as it is;
+* a Hub id: fetched with ``huggingface_hub`` at ``model.revision``, only when ``model.download``
+  allows it, and recorded with the commit it resolved to.
+
+Only the ``base`` stage materialises it, into ``models/base``, a DVC output that every later
+stage loads (on both engines): the starting model is content-hashed like any other artifact,
+and no other stage touches the Hub.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from alignpipe.artifacts import dvc_hash
+from alignpipe.errors import ConfigError
+
+# What `base` copies from a model directory: the files `from_pretrained` reads. Training
+# state (optimizer.pt, trainer_state.json ...) and hidden entries (.git, .cache) stay behind.
+SKIP = {"optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json", "training_args.bin"}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str | None
+    revision: str | None = None
+    download: bool = False
+
+    @property
+    def kind(self) -> str:
+        if self.name is None:
+            return "tiny"
+        return "local" if _looks_local(self.name) else "hub"
+
+
+def _looks_local(name: str) -> bool:
+    # A Hub id is "org/name" (or "name"); anything absolute, relative-looking or existing is a path.
+    return Path(name).expanduser().exists() or name.startswith(("/", "./", "../", "~"))
+
+
+def model_source(params: dict[str, Any]) -> ModelSource:
+    """``model`` from params.yaml, checked."""
+    section = params.get("model") or {}
+    if not isinstance(section, dict):
+        raise ConfigError("params.yaml: 'model' must be a mapping with name, revision, download (conf/config.yaml)")
+    name = section.get("name")
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise ConfigError(
+            f"params.yaml: model.name must be null (the tiny model), a local Hugging Face directory "
+            f"or a Hub id such as HuggingFaceTB/SmolLM2-135M-Instruct; got {name!r}"
+        )
+    revision = section.get("revision")
+    return ModelSource(name=name, revision=None if revision is None else str(revision),
+                       download=bool(section.get("download", False)))  # fmt: skip
+
+
+def copy_local(src: Path, dst: Path) -> list[str]:
+    """Copy a local model directory's files into ``dst``; returns the names copied."""
+    if not src.is_dir():
+        raise ConfigError(f"params.yaml: model.name {src} is not a directory (a Hugging Face model directory is)")
+    if not (src / "config.json").is_file():
+        raise ConfigError(
+            f"params.yaml: model.name {src} holds no config.json; point it at a Hugging Face model "
+            f"directory (what save_pretrained writes, or a Hub snapshot)"
+        )
+    copied = []
+    for item in sorted(src.iterdir()):
+        if item.name.startswith(".") or item.name in SKIP or not item.is_file():
+            continue
+        shutil.copyfile(item, dst / item.name)  # follows links: Hub snapshots are symlinks into blobs
+        copied.append(item.name)
+    return copied
+
+
+def download(source: ModelSource, dst: Path) -> str:
+    """Fetch a Hub model at its revision into ``dst``; returns the commit it resolved to."""
+    if not source.download:
+        raise ConfigError(
+            f"params.yaml: model.name {source.name} is a Hub id, and only the base stage may fetch it, "
+            f"when you allow it: set model.download=true (dvc exp run -S model.download=true), or "
+            f"download it yourself and set model.name to its directory"
+        )
+    from huggingface_hub import HfApi, snapshot_download
+
+    try:
+        commit = HfApi().model_info(source.name, revision=source.revision).sha
+        snapshot_download(source.name, revision=commit, local_dir=dst,
+                          ignore_patterns=["*.pt", "*.bin", "*.msgpack", "*.h5", "*.onnx*", "*.gguf", ".*"])  # fmt: skip
+    except Exception as e:  # offline, gated, unknown id or revision: say which and how to fix it
+        raise ConfigError(
+            f"params.yaml: model.name {source.name} (revision {source.revision or 'main'}) could not be "
+            f"fetched from the Hugging Face Hub: {type(e).__name__}: {e}. Check the id and revision, "
+            f"HF_TOKEN for gated models, and network access; or set model.name to a local directory"
+        ) from e
+    shutil.rmtree(dst / ".cache", ignore_errors=True)  # huggingface_hub's download bookkeeping
+    return str(commit)
+
+
+def lineage(source: ModelSource, src_dir: Path, commit: str | None = None) -> dict[str, Any]:
+    """What artifact.json and model cards say about the starting model."""
+    if source.kind == "local":
+        return {"kind": "local", "name": str(Path(source.name).expanduser().resolve()), "hash": dvc_hash(src_dir)}
+    return {"kind": "hub", "name": f"{source.name}@{commit}", "revision": source.revision or "main",
+            "commit": commit, "hash": dvc_hash(src_dir)}  # fmt: skip
+
+
+def ensure_pad_token(tokenizer) -> bool:
+    """Batching needs a pad token; many instruct models ship none. Fall back to EOS (what TRL
+    and NeMo-RL do), once, here, so every later stage and evaluate pad the same way."""
+    if tokenizer.pad_token is not None:
+        return False
+    if tokenizer.eos_token is None:
+        raise ConfigError("the starting model's tokenizer has neither a pad nor an eos token; set one in its tokenizer_config.json")
+    tokenizer.pad_token = tokenizer.eos_token
+    return True
+
+
+def count_parameters(model_dir: Path) -> int:
+    """Parameters in the safetensors shards, from their headers (no weights loaded)."""
+    from safetensors import safe_open
+
+    total = 0
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(shard, framework="pt") as f:
+            for key in f.keys():
+                n = 1
+                for dim in f.get_slice(key).get_shape():
+                    n *= dim
+                total += n
+    return total

@@ -1,0 +1,96 @@
+"""The starting model (``model.name``): base materialises it into models/base, later stages and
+exports carry its lineage, its generation config and its tokenizer (pad falling back to EOS)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from alignpipe.artifacts import dvc_hash, md5_file
+from tests.conftest import run_cli, set_params, writable_copy
+
+
+@pytest.fixture
+def own_model(trained_sft: Path, tmp_path: Path) -> Path:
+    """A user's Hugging Face directory: a small causal LM whose tokenizer has no pad token and
+    whose generation_config.json has its own settings, plus files base must leave behind."""
+    src = tmp_path / "my-model"
+    shutil.copytree(trained_sft / "models" / "base", src)
+    for name in ("artifact.json", "resolved_config.yaml"):
+        (src / name).unlink()
+    tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
+    tok_cfg.pop("pad_token", None)
+    (src / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    gen = json.loads((src / "generation_config.json").read_text())
+    gen.update(repetition_penalty=1.3, pad_token_id=None)
+    (src / "generation_config.json").write_text(json.dumps(gen))
+    (src / "optimizer.pt").write_bytes(b"training state")
+    (src / ".git").mkdir()
+    (src / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    return src
+
+
+@pytest.mark.slow
+def test_a_local_model_becomes_models_base_and_its_lineage_reaches_the_export(
+    trained_sft: Path, own_model: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = writable_copy(trained_sft, tmp_path / "repo")
+    set_params(root, {"model": {"name": str(own_model)}, "sft": {"sft": {"max_num_steps": 3}}})
+    env = {"ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")}
+
+    out = run_cli(root, "run", "base", env=env).stdout
+    base = root / "models" / "base"
+    assert str(own_model) in out
+    assert md5_file(base / "model.safetensors") == md5_file(own_model / "model.safetensors")
+    assert not (base / "optimizer.pt").exists() and not (base / ".git").exists()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    assert tokenizer.pad_token == tokenizer.eos_token  # fell back to EOS, once, in base
+    manifest = json.loads((base / "artifact.json").read_text())
+    assert manifest["source_model"]["name"] == str(own_model.resolve())
+    assert manifest["source_model"]["hash"] == dvc_hash(own_model)
+    assert manifest["source_model"]["pad_token"].startswith("eos")
+
+    # A stage trains from it (batches pad with EOS) and carries the lineage on.
+    run_cli(root, "run", "sft", env=env)
+    sft_manifest = json.loads((root / "models" / "sft" / "artifact.json").read_text())
+    assert sft_manifest["source_model"] == manifest["source_model"]
+
+    # The export keeps the model's own generation config and names the starting model.
+    run_cli(root, "run", "convert", "--source", "sft", env=env)
+    export = root / "exports" / "sft"
+    gen = json.loads((export / "generation_config.json").read_text())
+    assert gen["repetition_penalty"] == 1.3 and gen["pad_token_id"] == tokenizer.pad_token_id
+    card = (export / "README.md").read_text()
+    assert f"| starting model | `{own_model.resolve()}` DVC md5 `{dvc_hash(own_model)}` |" in card
+    assert AutoModelForCausalLM.from_pretrained(export) is not None
+    assert len(AutoTokenizer.from_pretrained(export)) == len(tokenizer)
+
+
+def test_a_hub_id_is_fetched_only_when_allowed(repo_copy: Path) -> None:
+    set_params(repo_copy, {"model": {"name": "HuggingFaceTB/SmolLM2-135M-Instruct"}})
+    result = run_cli(repo_copy, "run", "base", check=False)
+    assert result.returncode == 2
+    assert "model.download=true" in result.stderr and "HuggingFaceTB/SmolLM2-135M-Instruct" in result.stderr
+    assert not (repo_copy / "models" / "base").exists()
+
+
+def test_a_directory_that_is_no_model_is_named(repo_copy: Path, tmp_path: Path) -> None:
+    (tmp_path / "weights").mkdir()
+    set_params(repo_copy, {"model": {"name": str(tmp_path / "weights")}})
+    result = run_cli(repo_copy, "run", "base", check=False)
+    assert result.returncode == 2
+    assert "holds no config.json" in result.stderr and str(tmp_path / "weights") in result.stderr
+    assert not (repo_copy / "models" / "base").exists()
+
+
+def test_gpu_profiles_start_from_models_base(repo_copy: Path, tmp_path: Path) -> None:
+    """`plan sft --profile default` with model.name set: NeMo-RL loads models/base."""
+    set_params(repo_copy, {"model": {"name": str(tmp_path / "my-model")}})
+    plan = run_cli(repo_copy, "plan", "sft", "--profile", "default").stdout
+    assert f"model_name: {repo_copy / 'models' / 'base'}" in plan
+    assert str(tmp_path / "my-model") not in plan.split("==>")[0]
