@@ -54,9 +54,23 @@ def model_source(params: dict[str, Any]) -> ModelSource:
             f"params.yaml: model.name must be null (the tiny model), a local Hugging Face directory "
             f"or a Hub id such as HuggingFaceTB/SmolLM2-135M-Instruct; got {name!r}"
         )
+    if name is not None and _looks_local(name):
+        check_dep(name, section.get("dep"))
     revision = section.get("revision")
     return ModelSource(name=name, revision=None if revision is None else str(revision),
                        download=bool(section.get("download", False)))  # fmt: skip
+
+
+def check_dep(name: str, dep: str | None) -> None:
+    """``model.dep`` (what DVC hashes; conf/config.yaml) must name the same directory as
+    ``model.name``, or DVC would not see edits to the model: params.yaml was edited by hand."""
+    if dep is not None and Path(dep).expanduser().resolve() == Path(name).expanduser().resolve():
+        return
+    raise ConfigError(
+        f"params.yaml: model.dep is {dep!r} but model.name is the directory {name}, so DVC would not "
+        f"hash the model; set model.name through DVC (dvc exp run -S model.name={name}) or in "
+        f"conf/config.yaml followed by `alignpipe params`, which derive model.dep from it"
+    )
 
 
 def copy_local(src: Path, dst: Path) -> list[str]:

@@ -94,6 +94,14 @@ def set_params(root: Path, updates: dict) -> None:
     path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
+def set_model(root: Path, name: str | None, **more) -> None:
+    """Set ``model.name`` in ``root/params.yaml`` as `dvc exp run -S model.name=...` does,
+    deriving ``model.dep`` with the same resolver DVC's Hydra composition runs."""
+    from hydra_plugins.alignpipe_model_dep import model_dep
+
+    set_params(root, {"model": {"name": name, "dep": model_dep(name), **more}})
+
+
 def run_cli(root: Path, *args: str, env: dict | None = None, check: bool = True, timeout: float = 900):
     """Run the real ``alignpipe`` CLI in ``root`` as DVC would."""
     full_env = {**os.environ, **OFFLINE, "ALIGNPIPE_ROOT": str(root), **(env or {})}

@@ -4,13 +4,15 @@ exports carry its lineage, its generation config and its tokenizer (pad falling 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from alignpipe.artifacts import dvc_hash, md5_file
-from tests.conftest import run_cli, set_params, writable_copy
+from tests.conftest import OFFLINE, copy_repo, run_cli, set_model, set_params, writable_copy
 
 
 @pytest.fixture
@@ -40,7 +42,8 @@ def test_a_local_model_becomes_models_base_and_its_lineage_reaches_the_export(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root = writable_copy(trained_sft, tmp_path / "repo")
-    set_params(root, {"model": {"name": str(own_model)}, "sft": {"sft": {"max_num_steps": 3}}})
+    set_model(root, str(own_model))
+    set_params(root, {"sft": {"sft": {"max_num_steps": 3}}})
     env = {"ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")}
 
     out = run_cli(root, "run", "base", env=env).stdout
@@ -72,7 +75,7 @@ def test_a_local_model_becomes_models_base_and_its_lineage_reaches_the_export(
 
 
 def test_a_hub_id_is_fetched_only_when_allowed(repo_copy: Path) -> None:
-    set_params(repo_copy, {"model": {"name": "HuggingFaceTB/SmolLM2-135M-Instruct"}})
+    set_model(repo_copy, "HuggingFaceTB/SmolLM2-135M-Instruct")
     result = run_cli(repo_copy, "run", "base", check=False)
     assert result.returncode == 2
     assert "model.download=true" in result.stderr and "HuggingFaceTB/SmolLM2-135M-Instruct" in result.stderr
@@ -81,7 +84,7 @@ def test_a_hub_id_is_fetched_only_when_allowed(repo_copy: Path) -> None:
 
 def test_a_directory_that_is_no_model_is_named(repo_copy: Path, tmp_path: Path) -> None:
     (tmp_path / "weights").mkdir()
-    set_params(repo_copy, {"model": {"name": str(tmp_path / "weights")}})
+    set_model(repo_copy, str(tmp_path / "weights"))
     result = run_cli(repo_copy, "run", "base", check=False)
     assert result.returncode == 2
     assert "holds no config.json" in result.stderr and str(tmp_path / "weights") in result.stderr
@@ -94,3 +97,47 @@ def test_gpu_profiles_start_from_models_base(repo_copy: Path, tmp_path: Path) ->
     plan = run_cli(repo_copy, "plan", "sft", "--profile", "default").stdout
     assert f"model_name: {repo_copy / 'models' / 'base'}" in plan
     assert str(tmp_path / "my-model") not in plan.split("==>")[0]
+
+
+def test_a_hand_edited_model_name_without_its_dep_is_refused(repo_copy: Path, tmp_path: Path) -> None:
+    """params.yaml edited by hand: DVC would not hash the directory, so base says how to set it."""
+    (tmp_path / "my-model").mkdir()
+    set_params(repo_copy, {"model": {"name": str(tmp_path / "my-model")}})
+    result = run_cli(repo_copy, "run", "base", check=False)
+    assert result.returncode == 2
+    assert "model.dep" in result.stderr and f"dvc exp run -S model.name={tmp_path / 'my-model'}" in result.stderr
+
+
+@pytest.mark.slow
+def test_editing_a_file_of_a_local_model_reruns_base_and_what_follows(tmp_path: Path) -> None:
+    """`dvc exp run -S model.name=DIR` (DVC's own Hydra composition) makes DIR a dep of base."""
+    import yaml
+
+    root = copy_repo(tmp_path / "repo", git=True)
+    env = {**os.environ, **OFFLINE, "ALIGNPIPE_SCRATCH": str(tmp_path / "scratch"), "GIT_AUTHOR_NAME": "t",
+           "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
+
+    def dvc(*argv: str) -> str:
+        proc = subprocess.run(["dvc", *argv], cwd=root, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, f"dvc {' '.join(argv)}:\n{proc.stdout}\n{proc.stderr}"
+        return proc.stdout
+
+    # An experiment commits every locked output; this copy has none cached, so it starts unlocked.
+    subprocess.run(["git", "rm", "-q", "dvc.lock"], cwd=root, env=env, check=True)
+    subprocess.run(["git", "commit", "-qm", "unlocked"], cwd=root, env=env, check=True)
+    dvc("repro", "base")  # the tiny base, saved as a user's model directory
+    src = shutil.copytree(root / "models" / "base", tmp_path / "my-model")
+    for name in ("artifact.json", "resolved_config.yaml"):
+        (src / name).unlink()
+
+    dvc("exp", "run", "base", "-S", f"model.name={src}")
+    assert yaml.safe_load((root / "params.yaml").read_text())["model"]["dep"] == str(src)
+    manifest = json.loads((root / "models" / "base" / "artifact.json").read_text())
+    assert manifest["source_model"]["name"] == str(src.resolve())
+    assert "Running stage 'base'" not in dvc("repro", "--dry", "base")
+
+    gen = json.loads((src / "generation_config.json").read_text())
+    (src / "generation_config.json").write_text(json.dumps({**gen, "repetition_penalty": 1.1}))
+    assert str(src) in dvc("status", "base")
+    dry = dvc("repro", "--dry", "sft")  # sft: the first trainer after base (later ones need its outputs)
+    assert "Running stage 'base'" in dry and "Running stage 'sft'" in dry
