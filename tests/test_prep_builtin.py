@@ -71,7 +71,7 @@ def test_counts_and_shapes(prepared):
             assert len(data[fam][s]) == COUNTS[fam][s], (fam, s)
             for row in data[fam][s]:
                 assert list(row)[:2] == ["id", "task"]
-                assert set(row) == set(SCHEMA[fam]) - {"tests"}
+                assert set(row) == set(SCHEMA[fam]) - {"tests", "extract"}  # optional fields
                 assert row["id"] == row_id(fam, row)
                 assert row["task"] in builtin.TASKS
     tasks = {r["task"] for r in data["sft"]["train"]}
@@ -85,6 +85,34 @@ def test_counts_and_shapes(prepared):
         for row in data[fam]["train"] + data[fam]["test"]:
             assert row["answer"] == builtin.solve(row["prompt"])
             assert row["verifier"] == ("numeric" if row["task"] == "add" else "exact")
+
+
+def test_boxed_style_asks_in_words_and_answers_in_a_box(tmp_path):
+    """style: boxed (the small profile): worded prompts, boxed targets, rows the verifier reads boxed."""
+    from alignpipe.rewards import score_completion
+
+    cfg = config()
+    cfg["builtin"]["style"] = "boxed"
+    out = tmp_path / "prepared"
+    prepare(cfg, Path.cwd(), out)
+    data = read_all(out)
+    for fam in FAMILIES:  # the requested counts hold: the split keys on the prompt as shown
+        assert {s: len(data[fam][s]) for s in SPLITS} == COUNTS[fam]
+    rl = data["rlvr"]["test"][0]
+    assert rl["prompt"].endswith("Put the final answer in \\boxed{}.") and rl["extract"] == "boxed"
+    assert score_completion(rl, f"\\boxed{{{rl['answer']}}}") == 1.0 and score_completion(rl, rl["answer"]) == 0.0
+    sft = data["sft"]["train"][0]["messages"]
+    assert sft[1]["content"].startswith("\\boxed{") and "\\boxed{}" in sft[0]["content"]
+    pair = data["preference"]["train"][0]
+    assert pair["chosen"].startswith("\\boxed{") and pair["rejected"].startswith("\\boxed{")
+    assert pair["chosen"] != pair["rejected"]
+    worded = {r["prompt"].split(" of ")[0].split()[0] for r in data["rlvr"]["train"]}
+    assert worded == {"Sort", "Write", "What"}
+
+
+def test_an_unknown_style_is_named():
+    with pytest.raises(ConfigError, match="builtin.style 'latex' is not one of plain, boxed"):
+        builtin.builtin_spec({"kind": "builtin"}, {"style": "latex"})
 
 
 def test_task_shapes_exact():

@@ -37,6 +37,30 @@ def test_exact(answer, completion, expected):
     assert score_completion(row(answer, "exact"), completion) == expected
 
 
+@pytest.mark.parametrize(
+    "verifier,answer,completion,expected",
+    [
+        ("exact", "01235", "Sorted: \\boxed{01235}.", 1.0),
+        ("exact", "01235", "\\boxed{1235}", 0.0),  # exact keeps the leading zero
+        ("exact", "01235", "01235", 0.0),  # no box: nothing to read
+        ("exact", "12", "\\boxed{21} no, \\boxed{12}", 1.0),  # the last box counts
+        ("exact", "12", "\\boxed{12", 0.0),  # unbalanced
+        ("numeric", "85", "37 + 48 = \\boxed{85}", 1.0),
+        ("numeric", "85", "\\boxed{85.0}", 1.0),
+        ("numeric", "85", "85", 0.0),
+        ("numeric", "0.5", "\\boxed{1/2}", 1.0),
+    ],
+)
+def test_boxed_extraction(verifier, answer, completion, expected):
+    """``extract: boxed`` rows (the small profile, Gym-style prompts) score the last \\boxed{}."""
+    assert score_completion(row(answer, verifier, extract="boxed"), completion) == expected
+
+
+def test_an_unknown_extraction_is_named():
+    with pytest.raises(ValueError, match="extract='last_line'"):
+        score_completion(row("1", "exact", extract="last_line"), "1")
+
+
 def test_default_verifier_is_exact():
     assert score_completion({"answer": "x"}, " x ") == 1.0
     assert score_completion({"answer": "1000"}, "1,000") == 0.0  # exact, not numeric

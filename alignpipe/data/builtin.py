@@ -6,6 +6,12 @@ Shapes (one token per character for the tiny char-level Llama; prompts are the r
 * ``reverse:5281`` -> ``1825``, verifier ``exact``
 * ``add:37+48``    -> ``85``, verifier ``numeric``
 
+``style: boxed`` (the ``small`` profile: a real instruct model) asks the same tasks in words
+and answers in ``\\boxed{}``, read by the verifiers with ``extract: boxed`` as NeMo-RL's math
+environment and NeMo-Gym read answers:
+
+* ``Sort the digits of 52813 in ascending order. Put the final answer in \\boxed{}.`` -> ``\\boxed{12358}``
+
 One prompt pool is generated from the seed (unique prompts, each bucketed into
 train/validation/test by :class:`alignpipe.data.split.SplitSpec`), and every family draws its
 rows per split from that pool, so a held-out prompt never appears in any family's train split.
@@ -28,6 +34,25 @@ DEFAULT_TASKS: dict[str, dict[str, int]] = {
     "add": {"min_digits": 1, "max_digits": 3, "weight": 1},
 }
 DIGITS = "0123456789"
+STYLES = ("plain", "boxed")
+# style: boxed. The instruction follows Gym's own math prompts ("... in \\boxed{}").
+WORDED = {
+    "sort": "Sort the digits of {arg} in ascending order.",
+    "reverse": "Write the digits of {arg} in reverse order.",
+    "add": "What is {a} + {b}?",
+}
+BOX_INSTRUCTION = " Put the final answer in \\boxed{}."
+
+
+def worded(prompt: str) -> str:
+    """A plain builtin prompt (``sort:52813``) asked in words, with the box instruction."""
+    task, _, arg = prompt.partition(":")
+    a, _, b = arg.partition("+")
+    return WORDED[task].format(arg=arg, a=a, b=b) + BOX_INSTRUCTION
+
+
+def boxed(answer: str) -> str:
+    return f"\\boxed{{{answer}}}"
 
 
 def solve(prompt: str) -> str:
@@ -153,7 +178,11 @@ def builtin_spec(src: dict[str, Any], defaults: dict[str, Any] | None) -> dict[s
     fraction = float(spec.get("degenerate_negatives", 0.0) or 0.0)
     if not 0.0 <= fraction <= 1.0:
         raise ConfigError(f"prep config: builtin.degenerate_negatives must be in [0, 1], got {fraction}")
-    return {"seed": int(spec.get("seed", 0)), "tasks": tasks, "counts": counts, "degenerate_negatives": fraction}
+    style = spec.get("style", "plain")
+    if style not in STYLES:
+        raise ConfigError(f"prep config: builtin.style '{style}' is not one of {', '.join(STYLES)}")
+    return {"seed": int(spec.get("seed", 0)), "tasks": tasks, "counts": counts, "degenerate_negatives": fraction,
+            "style": style}  # fmt: skip
 
 
 def _pool(spec: dict[str, Any], split: SplitSpec) -> dict[str, list[tuple[str, str, str]]]:
@@ -183,7 +212,8 @@ def _pool(spec: dict[str, Any], split: SplitSpec) -> dict[str, list[tuple[str, s
                 )
             continue
         seen.add(key)
-        pool[split.assign(prompt)].append((task, prompt, answer))
+        shown = worded(prompt) if spec.get("style") == "boxed" else prompt  # what prep splits by
+        pool[split.assign(shown)].append((task, prompt, answer))
     return pool
 
 
@@ -197,24 +227,32 @@ def generate(spec: dict[str, Any], split: SplitSpec) -> dict[str, list[dict[str,
             continue
         rng = random.Random(f"alignpipe-builtin-{fam}:{spec['seed']}")
         for s in SPLITS:
-            for task, prompt, answer in rng.sample(pool[s], counts[s]):
-                if fam == "sft":
-                    row = {
-                        "task": task,
-                        "messages": [
-                            {"role": "user", "content": prompt},
-                            {"role": "assistant", "content": answer},
-                        ],
-                    }
-                elif fam == "preference":
-                    # Draw only when enabled, so fraction 0 leaves the data byte-identical.
-                    fraction = spec.get("degenerate_negatives", 0.0)
-                    if fraction > 0 and rng.random() < fraction:
-                        rejected = degenerate(answer, prompt, rng)
-                    else:
-                        rejected = corrupt(answer, rng, numeric=VERIFIER[task] == "numeric")
-                    row = {"task": task, "prompt": prompt, "chosen": answer, "rejected": rejected}
-                else:
-                    row = {"task": task, "prompt": prompt, "answer": answer, "verifier": VERIFIER[task]}
+            for task, plain_prompt, answer in rng.sample(pool[s], counts[s]):
+                row = family_row(fam, task, plain_prompt, answer, spec, rng)
                 out[fam].append(row)
     return out
+
+
+def family_row(
+    fam: str, task: str, prompt: str, answer: str, spec: dict[str, Any], rng: random.Random
+) -> dict:
+    """One row of ``fam``; in ``boxed`` style the prompt is worded and answers are boxed."""
+    wrap = boxed if spec.get("style") == "boxed" else str
+    shown = worded(prompt) if spec.get("style") == "boxed" else prompt
+    if fam == "sft":
+        return {
+            "task": task,
+            "messages": [{"role": "user", "content": shown}, {"role": "assistant", "content": wrap(answer)}],
+        }
+    if fam == "preference":
+        # Draw only when enabled, so fraction 0 leaves the data byte-identical.
+        fraction = spec.get("degenerate_negatives", 0.0)
+        if fraction > 0 and rng.random() < fraction:
+            rejected = degenerate(answer, prompt, rng)
+        else:
+            rejected = corrupt(answer, rng, numeric=VERIFIER[task] == "numeric")
+        return {"task": task, "prompt": shown, "chosen": wrap(answer), "rejected": wrap(rejected)}
+    row = {"task": task, "prompt": shown, "answer": answer, "verifier": VERIFIER[task]}
+    if spec.get("style") == "boxed":
+        row["extract"] = "boxed"
+    return row

@@ -17,6 +17,7 @@ _RL_FIELDS = {
     "answer": "str",
     "verifier": "str (" + "|".join(VERIFIERS) + ")",
     "tests": "list[str] (optional; required when verifier is code)",
+    "extract": "str (optional; boxed: exact/numeric score the completion's last \\boxed{...})",
 }
 
 # Field names and types per family, as recorded in manifest.json.

@@ -1,7 +1,10 @@
 """Verifiers: score one completion against a prepared row, 1.0 correct / 0.0 wrong.
 
 Row schema (``data/prepared/rlvr/*.jsonl``): ``answer`` (str), ``verifier`` (one of
-:data:`VERIFIERS`, default ``"exact"``), optional ``tests`` (Python asserts, for ``code``).
+:data:`VERIFIERS`, default ``"exact"``), optional ``tests`` (Python asserts, for ``code``),
+optional ``extract: boxed`` (``exact``/``numeric`` score the last ``\\boxed{...}`` of the
+completion, as NeMo-RL's math environment and NeMo-Gym's ``math_with_judge`` read answers;
+no box scores 0.0).
 
 ``exact`` and ``numeric`` are pure, in-process and take microseconds. ``math`` runs HF
 math-verify in a reused worker-process pool (it uses ``signal.alarm``), ``code`` runs the
@@ -21,6 +24,7 @@ __all__ = [
     "VERIFIERS",
     "UnknownVerifierError",
     "Verifier",
+    "boxed_answer",
     "exact_match",
     "get_verifier",
     "numeric_match",
@@ -41,14 +45,43 @@ class UnknownVerifierError(KeyError, ValueError):
         return str(self.args[0]) if self.args else "unknown verifier"
 
 
+# --------------------------------------------------------------------------- extraction
+
+
+def boxed_answer(completion: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (nested braces balanced), or None."""
+    start = completion.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(completion)):
+        depth += {"{": 1, "}": -1}.get(completion[j], 0)
+        if depth == 0:
+            return completion[i:j]
+    return None
+
+
+def _answer_text(row: dict, completion: str | None) -> str | None:
+    """What ``exact``/``numeric`` compare: the completion, or its boxed answer (``extract: boxed``)."""
+    if completion is None:
+        return None
+    extract = row.get("extract")
+    if extract is None:
+        return str(completion)
+    if extract == "boxed":
+        return boxed_answer(str(completion))
+    raise ValueError(f"row field extract={extract!r}: the only extraction is 'boxed'")
+
+
 # --------------------------------------------------------------------------- exact
 
 
 def exact_match(row: dict, completion: str) -> float:
-    """1.0 iff ``completion.strip() == str(row["answer"]).strip()``."""
-    if completion is None:
+    """1.0 iff ``completion.strip() == str(row["answer"]).strip()`` (its boxed answer with ``extract: boxed``)."""
+    text = _answer_text(row, completion)
+    if text is None:
         return 0.0
-    return 1.0 if str(completion).strip() == str(row["answer"]).strip() else 0.0
+    return 1.0 if text.strip() == str(row["answer"]).strip() else 0.0
 
 
 # --------------------------------------------------------------------------- numeric
@@ -102,7 +135,8 @@ def numeric_match(row: dict, completion: str) -> float:
     Tolerance: ``math.isclose(rel_tol=row.get("rel_tol", 1e-6), abs_tol=row.get("abs_tol", 1e-9))``.
     A non-numeric completion (or answer) scores 0.0.
     """
-    pred = parse_number(completion)
+    text = _answer_text(row, completion)
+    pred = None if text is None else parse_number(text)
     gold = parse_number(row["answer"])
     if pred is None or gold is None:
         return 0.0
