@@ -26,3 +26,7 @@ class DataError(AlignpipeError):
 
 class UnsupportedSetting(AlignpipeError):
     """A setting the chosen engine cannot honour was turned on."""
+
+
+class NoLearningSignal(AlignpipeError):
+    """An RL stage's reward carried no signal (identically zero), so training would teach nothing."""

@@ -8,9 +8,10 @@ import sys
 import time
 
 
-def record_timing(stage: str, event: str) -> None:
+def record_timing(stage: str, event: str, **extra: float) -> None:
     """``ALIGNPIPE_TIMING=<file>`` (or ``1`` for stderr): append how long after process start
-    ``event`` happened, as a JSON line. ``benchmarks/`` uses it for start-up overhead."""
+    ``event`` happened, as a JSON line, with ``extra`` fields (e.g. a phase's ``seconds``).
+    ``benchmarks/`` uses it for start-up overhead and the held-out share of a stage."""
     target = os.environ.get("ALIGNPIPE_TIMING")
     if not target:
         return
@@ -28,6 +29,7 @@ def record_timing(stage: str, event: str) -> None:
             "unix": time.time(),
             "since_process_start_s": round(uptime - started_ticks / os.sysconf("SC_CLK_TCK"), 2),
             "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+            **{k: round(v, 2) for k, v in extra.items()},
         }
     )
     if target == "1":

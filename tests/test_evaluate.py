@@ -6,8 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from alignpipe.engines.local.evaluate import flag_reward_hacking
+from alignpipe.measure.heldout import SAMPLES_FILE, heldout_completions
+from alignpipe.measure.logprobs import load_policy
 from alignpipe.report import comparison_chart, markdown_table
 from tests.conftest import run_cli, set_params, writable_copy
 
@@ -94,7 +97,7 @@ def test_evaluate_compares_policies_on_shared_samples(trained_sft: Path, tmp_pat
                 }
             },
         )
-        run_cli(root, "run", "evaluate")
+        outcome = run_cli(root, "run", "evaluate").stdout
     finally:
         (root / "params.yaml").write_text(params)
 
@@ -126,6 +129,18 @@ def test_evaluate_compares_policies_on_shared_samples(trained_sft: Path, tmp_pat
     sft_samples = [s for s in samples if s["policy"] == "sft"]
     assert sum(s["correct"] for s in sft_samples) / n == pytest.approx(got["sft"]["heldout_accuracy"])
     assert sum(s["rm_score"] for s in sft_samples) / n == pytest.approx(got["sft"]["rm_score"])
+
+    # Each policy is sampled once: sft's samples came with models/sft (drawn by the sft stage)
+    # and with its unchanged export; only base, which carries none, was sampled here. They are
+    # exactly what sampling the model again gives.
+    assert "samples reused 2/3" in outcome
+    published = [json.loads(line) for line in (root / "models/sft" / SAMPLES_FILE).read_text().splitlines()]
+    assert [s["completion"] for s in sft_samples] == [p["completion"] for p in published]
+    torch.set_num_threads(1)  # as the stage ran (tiny: alignpipe.torch_threads 1)
+    model, tok = load_policy(root / "models/sft")
+    rows = [json.loads(line) for line in (root / metrics["heldout"]["data_path"]).read_text().splitlines()]
+    settings = yaml.safe_load((root / "results/evaluate/resolved_config.yaml").read_text())["alignpipe"]["heldout"]
+    assert heldout_completions(model, tok, rows, settings) == [p["completion"] for p in published]
 
     report = (out / "report.md").read_text()
     assert all(f"| `{name}` |" in report for name in got)

@@ -79,3 +79,19 @@ def test_policy_reloads_changed_and_is_published_with_lineage(rlvr_repo):
     assert manifest["stage"] == "rlvr" and manifest["type"] == "checkpoint_hf"
     assert "heldout/accuracy" in manifest["metrics"]
     assert (out / "resolved_config.yaml").is_file()
+
+
+def test_a_reward_that_is_always_zero_stops_the_stage_and_says_why(trained_sft, tmp_path):
+    """One-token answers to multi-digit tasks: no completion can score, GRPO would learn nothing."""
+    root = writable_copy(trained_sft, tmp_path / "repo")
+    set_params(root, {"rlvr": {
+        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 10},
+        "policy": {"generation": {"max_new_tokens": 1}, "train_global_batch_size": 16, "train_micro_batch_size": 16},
+        "alignpipe": {"zero_reward_batches": 2},
+    }})  # fmt: skip
+    result = run_cli(root, "run", "rlvr", env={"ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")}, check=False)
+    assert result.returncode == 2, result.stderr
+    assert "rlvr: the reward was 0 for all 32 completions of the first 2 rollout batches" in result.stderr
+    assert "100% of completions stopped at policy.generation.max_new_tokens=1" in result.stderr
+    assert "rlvr.alignpipe.zero_reward_batches=0" in result.stderr
+    assert not (root / "models" / "rlvr").exists() and not (root / "results" / "rlvr").exists()

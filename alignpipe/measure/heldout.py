@@ -1,8 +1,19 @@
-"""Held-out verifier accuracy: the one definition every policy stage reports as ``heldout/*``."""
+"""Held-out verifier accuracy: the one definition every policy stage reports as ``heldout/*``.
+
+Sampling is the expensive part, so each policy's held-out samples are drawn once, by the
+stage that trains it, and published beside its weights (``heldout_samples.jsonl``, keyed by
+the prompts and sampling settings). Later readers of that model directory (the RL stages for
+their SFT reference, ``convert`` for an unchanged export, ``evaluate``) reuse them when the
+key matches, and sample afresh otherwise.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from alignpipe.config import get_path
@@ -15,6 +26,72 @@ def heldout_settings(ctx: StageContext) -> dict[str, Any]:
     settings = dict(get_path(ctx.config, "alignpipe.heldout", {}) or {})
     settings.setdefault("data_path", "data/prepared/rlvr/test.jsonl")
     return settings
+
+
+def heldout_rows(ctx: StageContext, settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The held-out prompts: ``data_path``, the first ``limit`` rows when set (a per-profile knob:
+    sampling them is most of an RL stage's held-out cost on a real model)."""
+    settings = settings or heldout_settings(ctx)
+    rows = read_jsonl(ctx.root / settings["data_path"])
+    return rows[: int(settings["limit"])] if settings.get("limit") else rows
+
+
+SAMPLES_FILE = "heldout_samples.jsonl"
+# What a sample depends on besides the model and the prompts (batching moves the RNG stream).
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "batch_size", "seed")
+
+
+@dataclass(frozen=True)
+class HeldoutSamples:
+    """One policy's seeded held-out samples: what ``heldout/*``, KL and RM scores are measured on."""
+
+    rows: list[dict[str, Any]]
+    completions: list[str]
+    key: str
+    reused: bool = False
+
+    @property
+    def prompts(self) -> list[str]:
+        return [r["prompt"] for r in self.rows]
+
+
+def sampling_key(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
+    sampling = {k: settings.get(k) for k in SAMPLING_KEYS}
+    ids = [r.get("id") or r["prompt"] for r in rows]
+    return hashlib.sha256(json.dumps([sampling, ids], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_samples(model_dir: Path, key: str, n: int) -> list[str] | None:
+    """The completions a model directory carries for ``key``, or None."""
+    path = Path(model_dir) / SAMPLES_FILE
+    if not path.is_file():
+        return None
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if len(lines) != n or any(line.get("key") != key for line in lines):
+        return None
+    return [line["completion"] for line in lines]
+
+
+def samples_file(samples: HeldoutSamples) -> dict[str, str]:
+    """``{SAMPLES_FILE: text}`` to publish beside the model (``publish_model(files=...)``)."""
+    text = "".join(
+        json.dumps({"key": samples.key, "id": r.get("id"), "completion": c}, ensure_ascii=False) + "\n"
+        for r, c in zip(samples.rows, samples.completions, strict=True)
+    )
+    return {SAMPLES_FILE: text}
+
+
+def sample_heldout(
+    ctx: StageContext, model, tokenizer, model_dir: Path | str | None = None
+) -> HeldoutSamples:
+    """This model's held-out samples: reused from ``model_dir`` when it carries them for these
+    prompts and settings, drawn (seeded) otherwise."""
+    settings = heldout_settings(ctx)
+    rows = heldout_rows(ctx, settings)
+    key = sampling_key(rows, settings)
+    if model_dir is not None and (cached := load_samples(Path(model_dir), key, len(rows))) is not None:
+        return HeldoutSamples(rows, cached, key, reused=True)
+    return HeldoutSamples(rows, heldout_completions(model, tokenizer, rows, settings), key)
 
 
 def heldout_completions(model, tokenizer, rows: list[dict[str, Any]], settings: dict[str, Any]) -> list[str]:
@@ -62,11 +139,10 @@ def heldout_accuracy(
     return result
 
 
-def log_heldout(live, ctx: StageContext, model, tokenizer) -> dict[str, float]:
-    """Held-out accuracy of ``model`` into ``live.summary["heldout"]`` (a DVCLive ``Live``)."""
-    settings = heldout_settings(ctx)
-    rows = read_jsonl(ctx.root / settings["data_path"])
-    result = heldout_accuracy(model, tokenizer, rows, settings)
-    for key, value in result.items():
-        live.summary.setdefault("heldout", {})[key] = value
+def log_heldout(live, tokenizer, samples: HeldoutSamples, suffix: str = "") -> dict[str, float]:
+    """Held-out accuracy of ``samples`` into ``live.summary["heldout"]`` (a DVCLive ``Live``),
+    each name with ``suffix`` (``_reference`` for the SFT reference's)."""
+    result = heldout_accuracy(None, tokenizer, samples.rows, {}, completions=samples.completions)
+    result = {f"{k}{suffix}": v for k, v in result.items()}
+    live.summary.setdefault("heldout", {}).update(result)
     return result

@@ -15,6 +15,10 @@ from pathlib import Path
 from alignpipe.errors import ConfigError
 from alignpipe.measure.generation import user_turn
 
+# The local engine trains and measures in float32: transformers 5 loads a checkpoint in the
+# dtype it was stored in, and bf16 weights on a CPU are slow and drop small AdamW updates.
+LOCAL_DTYPE = "float32"
+
 
 def load_policy(where: Path | str):
     """An HF causal LM and its tokenizer from a model directory, offline."""
@@ -26,7 +30,7 @@ def load_policy(where: Path | str):
             f"{where} is not a Hugging Face model directory (config.json missing); "
             "run `dvc repro` for the stage that makes it"
         )
-    model = AutoModelForCausalLM.from_pretrained(where, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=LOCAL_DTYPE)
     return model, AutoTokenizer.from_pretrained(where, local_files_only=True)
 
 

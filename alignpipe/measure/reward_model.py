@@ -4,6 +4,7 @@ stage and evaluate both apply them."""
 from __future__ import annotations
 
 from alignpipe.measure.generation import user_turn
+from alignpipe.measure.logprobs import LOCAL_DTYPE
 
 
 class RewardModelScorer:
@@ -13,7 +14,7 @@ class RewardModelScorer:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype=LOCAL_DTYPE)
         self.model.eval()
         if self.model.config.pad_token_id is None:
             # The head reads the last non-pad token; it must know which id is padding.

@@ -38,7 +38,8 @@ from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, publish, training
 from alignpipe.errors import UnsupportedSetting
-from alignpipe.measure.heldout import log_heldout
+from alignpipe.measure.heldout import log_heldout, sample_heldout, samples_file
+from alignpipe.measure.logprobs import LOCAL_DTYPE
 from alignpipe.measure.metrics import local_keys
 
 # trainer / validation log key -> pipeline metric name (same names on the NeMo-RL engine)
@@ -171,9 +172,9 @@ def run(ctx: StageContext) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
     train_pairs, val_pairs = training.preference_splits(ctx, "dpo")
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=LOCAL_DTYPE)
     # The reference is the same SFT policy, loaded separately and frozen.
-    reference = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True).eval()
+    reference = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=LOCAL_DTYPE).eval()
     reference.requires_grad_(False)
 
     training.apply_torch_threads(ctx)
@@ -209,9 +210,10 @@ def run(ctx: StageContext) -> None:
     )
     model = training.train_then_validate(ctx, trainer, live, METRICS, validation, "dpo", bool(val_pairs))
 
-    heldout = log_heldout(live, ctx, model, tokenizer)
+    samples = sample_heldout(ctx, model, tokenizer)
+    heldout = log_heldout(live, tokenizer, samples)
     metrics = live_log.close(ctx, live)
-    publish.publish_model(ctx, "policy_out", model, tokenizer, metrics)
+    publish.publish_model(ctx, "policy_out", model, tokenizer, metrics, files=samples_file(samples))
     training.clear_scratch(ctx)
     console.outcome(
         "dpo",

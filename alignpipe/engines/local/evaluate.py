@@ -37,8 +37,13 @@ from alignpipe.engines.local import training
 from alignpipe.engines.local.convert import make_shareable
 from alignpipe.engines.local.publish import write_record
 from alignpipe.errors import ConfigError
-from alignpipe.jsonl import read_jsonl
-from alignpipe.measure.heldout import heldout_accuracy, heldout_completions, heldout_settings
+from alignpipe.measure.heldout import (
+    HeldoutSamples,
+    heldout_accuracy,
+    heldout_rows,
+    heldout_settings,
+    sample_heldout,
+)
 from alignpipe.measure.logprobs import kl_to_reference, load_policy
 from alignpipe.measure.reward_model import RewardModelScorer, hacking_suspected
 
@@ -72,15 +77,16 @@ def flag_reward_hacking(
 # ----------------------------------------------------------------------------- stage
 
 
-def measure_policy(name, model, tok, reference, rows, settings, scorer) -> tuple[dict[str, Any], list[dict]]:
+def measure_policy(
+    name, model, tok, reference, held: HeldoutSamples, settings, scorer
+) -> tuple[dict[str, Any], list[dict]]:
     """One policy's metrics on its own seeded samples, and the samples with their scores.
 
     ``reference``: ``(name, model)`` of the policy KL is measured against.
     """
     from alignpipe.rewards import score_completions
 
-    prompts = [r["prompt"] for r in rows]
-    completions = heldout_completions(model, tok, rows, settings)
+    rows, prompts, completions = held.rows, held.prompts, held.completions
     acc = heldout_accuracy(model, tok, rows, settings, completions=completions)
     scores = scorer(prompts, completions) if scorer is not None else None
     max_new = int(settings.get("max_new_tokens", 16))
@@ -117,7 +123,9 @@ def write_results(ctx: StageContext, metrics: dict[str, Any], samples: list[dict
         write_json_atomic(out / "metrics.json", metrics)
         write_text_atomic(out / "report.md", markdown_table(metrics))
         comparison_chart(metrics, out / "comparison.png")
-        write_text_atomic(out / "samples.jsonl", "".join(json.dumps(s, sort_keys=True) + "\n" for s in samples))
+        write_text_atomic(
+            out / "samples.jsonl", "".join(json.dumps(s, sort_keys=True) + "\n" for s in samples)
+        )
         write_record(
             out,
             ctx,
@@ -139,9 +147,7 @@ def run(ctx: StageContext) -> None:
     reference = ev.get("reference", "sft")
     if reference not in names:
         raise ConfigError(f"alignpipe.evaluate.reference '{reference}' is not one of the policies {names}")
-    rows = read_jsonl(ctx.root / settings["data_path"])
-    if settings.get("limit"):
-        rows = rows[: int(settings["limit"])]
+    rows = heldout_rows(ctx, settings)
     torch.manual_seed(ctx.seed)
 
     ref_model, ref_tok = load_policy(ctx.root / next(e["path"] for e in entries if e["name"] == reference))
@@ -150,6 +156,7 @@ def run(ctx: StageContext) -> None:
 
     policies: dict[str, dict[str, Any]] = {}
     samples: list[dict[str, Any]] = []
+    reused = 0
     for entry in entries:
         name = entry["name"]
         model, tok = (ref_model, ref_tok) if name == reference else load_policy(ctx.root / entry["path"])
@@ -158,10 +165,18 @@ def run(ctx: StageContext) -> None:
                 f"{entry['path']}: its tokenizer differs from the reference '{reference}' policy's; "
                 "kl_to_sft needs the same vocabulary"
             )
-        measured, policy_samples = measure_policy(name, model, tok, (reference, ref_model), rows, settings, scorer)
+        # The samples the training stage drew and published with the model, when they match.
+        held = sample_heldout(ctx, model, tok, model_dir=ctx.root / entry["path"])
+        measured, policy_samples = measure_policy(
+            name, model, tok, (reference, ref_model), held, settings, scorer
+        )
+        reused += held.reused
         policies[name] = {"path": entry["path"], **measured}
         samples += policy_samples
-        print(f"evaluate: {name}: " + ", ".join(f"{k}={measured[k]:.4g}" for k in METRIC_KEYS if measured[k] is not None))
+        print(
+            f"evaluate: {name}: "
+            + ", ".join(f"{k}={measured[k]:.4g}" for k in METRIC_KEYS if measured[k] is not None)
+        )
 
     drop = float(get_path(ctx.config, "alignpipe.reward_hacking.accuracy_drop", 0.0) or 0.0)
     flag_reward_hacking(policies, reference, drop)
@@ -182,7 +197,11 @@ def run(ctx: StageContext) -> None:
     flagged = [n for n, m in policies.items() if m["suspected_reward_hacking"]]
     console.outcome(
         "evaluate",
-        {"policies": len(policies), "suspected reward hacking": ", ".join(flagged) or "none"},
+        {
+            "policies": len(policies),
+            "samples reused": f"{reused}/{len(policies)}",
+            "suspected reward hacking": ", ".join(flagged) or "none",
+        },
         ctx.output("results").relative_to(ctx.root),
         ctx.started,
     )

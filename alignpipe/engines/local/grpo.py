@@ -17,6 +17,7 @@ against the SFT reference on held-out prompts and publishes the policy.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,19 +26,23 @@ from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, publish, training
-from alignpipe.errors import UnsupportedSetting
+from alignpipe.errors import NoLearningSignal, UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.generation import user_turn
-from alignpipe.measure.heldout import heldout_accuracy, heldout_completions, heldout_settings, log_heldout
+from alignpipe.measure.heldout import heldout_settings, log_heldout, sample_heldout, samples_file
 from alignpipe.measure.logprobs import kl_to_reference, load_policy
 from alignpipe.measure.metrics import local_keys
+from alignpipe.timing import record_timing
 
 # NeMo-RL GRPO settings whose effect this engine cannot reproduce: (key, allowed values, why).
 _UNSUPPORTED: list[tuple[str, tuple[Any, ...], str]] = [
     ("grpo.max_rollout_turns", (None, 1), "multi-turn rollouts need NeMo-RL environments"),
     ("grpo.use_dynamic_sampling", (None, False), "dynamic sampling (DAPO) is a NeMo-RL loop feature"),
-    ("grpo.reward_shaping.enabled", (None, False),
-     "DAPO overlong shaping is NeMo-RL's; use alignpipe.reward_shaping (length_penalty) locally"),
+    (
+        "grpo.reward_shaping.enabled",
+        (None, False),
+        "DAPO overlong shaping is NeMo-RL's; use alignpipe.reward_shaping (length_penalty) locally",
+    ),
     ("grpo.adv_estimator.name", (None, "grpo"), "only the GRPO advantage estimator is implemented locally"),
     ("grpo.batch_multiplier", (None, 1), "batch_multiplier needs dynamic sampling"),
     ("loss_fn.reference_policy_kl_type", (None, "k3"), "TRL's KL penalty is the k3 estimator"),
@@ -47,8 +52,11 @@ _UNSUPPORTED: list[tuple[str, tuple[Any, ...], str]] = [
     ("loss_fn.force_on_policy_ratio", (None, False), "not mapped to the local engine"),
     ("loss_fn.ratio_clip_c", (None,), "dual clipping is not implemented by TRL's GRPO loss"),
     ("loss_fn.positive_example_nll_weight", (None, 0, 0.0), "the positive-example NLL term is not mapped"),
-    ("loss_fn.use_importance_sampling_correction", (None, False),
-     "generation and training share one model locally, there is nothing to correct"),
+    (
+        "loss_fn.use_importance_sampling_correction",
+        (None, False),
+        "generation and training share one model locally, there is nothing to correct",
+    ),
 ]
 
 
@@ -83,14 +91,19 @@ class RewardFn:
     """
 
     __name__ = "reward"
-    columns: tuple[str, ...] = ("answer", "verifier", "task", "tests", "id")
+    columns: tuple[str, ...] = ("answer", "verifier", "extract", "task", "tests", "id")
 
-    def __init__(self, score: Callable[..., list[float | None]], name: str = "reward",
-                 scaling: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        score: Callable[..., list[float | None]],
+        name: str = "reward",
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
         self.score = score
         self.__name__ = name
         self.scaling = scaling or {}
         self.last: list[float] | None = None
+        self.guard: ZeroRewardGuard | None = None  # set by run_grpo
 
     def __call__(self, prompts, completions, completion_ids, **kwargs) -> list[float | None]:
         texts = [completion_text(c) for c in completions]
@@ -103,10 +116,62 @@ class RewardFn:
                     row[col] = values[i]
             rows.append(row)
         log_metric = kwargs.get("log_metric") or (lambda name, value: None)
-        rewards = self.score(rows, texts, [len(ids) for ids in completion_ids], log_metric)
+        num_tokens = [len(ids) for ids in completion_ids]
+        rewards = self.score(rows, texts, num_tokens, log_metric)
+        if self.guard is not None:
+            self.guard.observe(rows, texts, num_tokens, rewards)
         rewards = [None if r is None else scale_reward(float(r), self.scaling) for r in rewards]
         self.last = [math.nan if r is None else r for r in rewards]
         return rewards
+
+
+class ZeroRewardGuard:
+    """Stops an RL stage whose reward is exactly 0 for every completion of its first ``batches``
+    rollout batches. GRPO's advantages are then all 0: the run would publish its starting
+    policy as if it had learnt. The error names what it sees of the usual causes: completions
+    cut off by the generation cap, answers missing the format the verifier reads, the verifier.
+    ``alignpipe.zero_reward_batches: 0`` turns it off."""
+
+    def __init__(self, stage: str, batches: int, max_new_tokens: int) -> None:
+        self.stage, self.batches, self.max_new_tokens = stage, batches, max_new_tokens
+        self.seen = self.completions = self.capped = self.boxed_asked = self.boxed_found = 0
+        self.verifiers: set[str] = set()
+        self.example: tuple[str, Any] | None = None
+        self.signal = batches <= 0
+
+    def observe(self, rows: list[dict], texts: list[str], num_tokens: list[int], rewards: list) -> None:
+        if self.signal:
+            return
+        if any(r is not None and not math.isnan(float(r)) and float(r) != 0.0 for r in rewards):
+            self.signal = True
+            return
+        self.seen += 1
+        self.completions += len(texts)
+        self.capped += sum(n >= self.max_new_tokens for n in num_tokens)
+        boxed = [i for i, row in enumerate(rows) if row.get("extract") == "boxed"]
+        self.boxed_asked += len(boxed)
+        self.boxed_found += sum("\\boxed{" in texts[i] for i in boxed)
+        self.verifiers.update(str(row.get("verifier") or "exact") for row in rows)
+        self.example = self.example or (texts[0], rows[0].get("answer"))
+        if self.seen >= self.batches:
+            raise NoLearningSignal(self.diagnosis())
+
+    def diagnosis(self) -> str:
+        text, answer = self.example or ("", None)
+        lines = [
+            f"{self.stage}: the reward was 0 for all {self.completions} completions of the first {self.seen} "
+            f"rollout batches, so every GRPO advantage is 0 and training would teach nothing.",
+            f"  - generation cap: {self.capped / max(1, self.completions):.0%} of completions stopped at "
+            f"policy.generation.max_new_tokens={self.max_new_tokens}; raise it if answers are cut off",
+        ]
+        if self.boxed_asked:
+            lines.append(
+                f"  - answer format: {self.boxed_found}/{self.boxed_asked} completions contain the \\boxed{{}} "
+                f"answer their rows' verifier reads (extract: boxed); teach it in sft or ask for it in the prompt"
+            )
+        lines.append(f"  - verifier(s): {', '.join(sorted(self.verifiers))}; e.g. {text[:80]!r} for answer {answer!r}")
+        lines.append(f"  (turn this check off with {self.stage}.alignpipe.zero_reward_batches=0)")
+        return "\n".join(lines)
 
 
 def scale_reward(r: float, scaling: dict[str, Any]) -> float:
@@ -147,8 +212,14 @@ def make_trainer_class():
     class AlignGRPOTrainer(GRPOTrainer):
         """GRPOTrainer whose advantages follow NeMo-RL v0.7.0 (leave-one-out baseline optional)."""
 
-        def __init__(self, *args, normalize_rewards: bool = True, leave_one_out_baseline: bool = True,
-                     advantage_clip: tuple[float | None, float | None] = (None, None), **kwargs):
+        def __init__(
+            self,
+            *args,
+            normalize_rewards: bool = True,
+            leave_one_out_baseline: bool = True,
+            advantage_clip: tuple[float | None, float | None] = (None, None),
+            **kwargs,
+        ):
             super().__init__(*args, **kwargs)
             self.normalize_rewards = normalize_rewards
             self.leave_one_out_baseline = leave_one_out_baseline
@@ -238,34 +309,19 @@ def conversational(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"prompt": user_turn(r["prompt"]), **{c: r.get(c) for c in keep}} for r in rows]
 
 
-# ----------------------------------------------------------------------------- held-out
-
-
-def sample_heldout(ctx: StageContext, model, tokenizer) -> tuple[list[dict], list[str]]:
-    """The held-out rows and this model's seeded samples: the very completions ``heldout_accuracy`` scores."""
-    settings = heldout_settings(ctx)
-    rows = read_jsonl(ctx.root / settings["data_path"])
-    return rows, heldout_completions(model, tokenizer, rows, settings)
-
-
-def log_reference_heldout(live, ctx: StageContext, reference, tokenizer) -> dict[str, float]:
-    """The SFT reference's held-out accuracy, same definition and seed, as ``heldout/*_reference``."""
-    settings = heldout_settings(ctx)
-    rows = read_jsonl(ctx.root / settings["data_path"])
-    result = heldout_accuracy(reference, tokenizer, rows, settings)
-    out = {f"{k}_reference": v for k, v in result.items()}
-    live.summary.setdefault("heldout", {}).update(out)
-    return out
-
-
 # ----------------------------------------------------------------------------- run
 
 
-def run_grpo(ctx: StageContext, reward_fn: RewardFn, *, data_key: str = "data.train.data_path",
-             after_training: Callable[[Any, Any, Any, Any], dict[str, Any]] | None = None) -> dict[str, float]:
+def run_grpo(
+    ctx: StageContext,
+    reward_fn: RewardFn,
+    *,
+    data_key: str = "data.train.data_path",
+    after_training: Callable[[Any, Any, Any, Any], dict[str, Any]] | None = None,
+) -> dict[str, float]:
     """Train, evaluate against the SFT reference, publish ``policy_out``. Returns the flat metrics.
 
-    ``after_training(live, policy, reference, tokenizer)`` lets a stage add its own held-out
+    ``after_training(live, samples, reference_samples)`` lets a stage add its own held-out
     metrics (rlhf: reward-model scores) before the summary is written.
     """
     from datasets import Dataset
@@ -288,6 +344,11 @@ def run_grpo(ctx: StageContext, reward_fn: RewardFn, *, data_key: str = "data.tr
         val = Dataset.from_list(conversational(val_rows[: int(limit)] if limit else val_rows))
 
     args = GRPOConfig(**grpo_args(ctx, ctx.scratch_dir))
+    reward_fn.guard = ZeroRewardGuard(
+        ctx.name,
+        int(get_path(cfg, "alignpipe.zero_reward_batches", 0) or 0),
+        int(get_path(cfg, "policy.generation.max_new_tokens", 16)),
+    )
     live = live_log.open_live(ctx)
     names = local_keys(ctx.name)  # TRL log key -> pipeline metric (measure/metrics.py)
     trainer_cls = make_trainer_class()
@@ -309,20 +370,29 @@ def run_grpo(ctx: StageContext, reward_fn: RewardFn, *, data_key: str = "data.tr
     policy = trainer.model
     policy.eval()
 
+    heldout_started = time.monotonic()
     reference, _ = load_policy(policy_path)
-    heldout = log_heldout(live, ctx, policy, tokenizer)
-    ref = log_reference_heldout(live, ctx, reference, tokenizer)
-    rows, completions = sample_heldout(ctx, policy, tokenizer)
+    # Each policy sampled once: this one now, the SFT reference's samples come with models/sft.
+    samples = sample_heldout(ctx, policy, tokenizer)
+    ref_samples = sample_heldout(ctx, reference, tokenizer, model_dir=policy_path)
+    heldout = log_heldout(live, tokenizer, samples)
+    ref = log_heldout(live, tokenizer, ref_samples, suffix="_reference")
     max_new = int(heldout_settings(ctx).get("max_new_tokens", 16))
-    kl = kl_to_reference(policy, reference, tokenizer, [r["prompt"] for r in rows], completions, max_new)
+    kl = kl_to_reference(policy, reference, tokenizer, samples.prompts, samples.completions, max_new)
     live.summary.setdefault("heldout", {})["kl_to_reference"] = kl
-    extra = after_training(live, policy, reference, tokenizer) if after_training else {}
+    extra = after_training(live, samples, ref_samples) if after_training else {}
+    record_timing(ctx.name, "heldout", seconds=time.monotonic() - heldout_started)
     metrics = live_log.close(ctx, live)
-    publish.publish_model(ctx, "policy_out", policy, tokenizer, metrics)
+    publish.publish_model(ctx, "policy_out", policy, tokenizer, metrics, files=samples_file(samples))
     training.clear_scratch(ctx)
     console.outcome(
         ctx.name,
-        {"heldout/accuracy": heldout["accuracy"], "sft": ref["accuracy_reference"], "kl_to_reference": kl, **extra},
+        {
+            "heldout/accuracy": heldout["accuracy"],
+            "sft": ref["accuracy_reference"],
+            "kl_to_reference": kl,
+            **extra,
+        },
         ctx.output("policy_out").relative_to(ctx.root),
         ctx.started,
     )

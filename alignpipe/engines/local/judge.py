@@ -141,10 +141,11 @@ def load_judge(cfg: JudgeConfig, resolve: Callable[[str], str]) -> Generate:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from alignpipe.measure.generation import generate
+    from alignpipe.measure.logprobs import LOCAL_DTYPE
 
     path = resolve(cfg.model_name)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=LOCAL_DTYPE)
     model.eval()
 
     def run(prompts: list[str]) -> list[str]:

@@ -18,12 +18,23 @@ def publish_model(
     metrics: dict[str, Any],
     extra: dict[str, Any] | None = None,
     source_model: dict[str, Any] | None = None,
+    files: dict[str, str] | None = None,
 ) -> Path:
-    """Save an HF directory with its manifest and resolved config, atomically."""
+    """Save an HF directory with its manifest and resolved config, atomically; ``files``: more
+    text files to publish with it (name -> content), e.g. the model's held-out samples."""
     final = ctx.output(output)
+    base = ctx.inputs.get("base_model")
+    if base is not None and (base / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        # The starting model's, as it came: trainers edit the live one (TRL's GRPO turns
+        # eos_token_id into a list and sets its rollout sampling), which is not the model's.
+        model.generation_config = GenerationConfig.from_pretrained(base, local_files_only=True)
     with staged_dir(final) as out:
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
+        for name, text in (files or {}).items():
+            write_text_atomic(out / name, text)
         write_record(out, ctx, type="checkpoint_hf", format="hf", metrics=metrics, extra=extra,
                      source_model=source_model or ctx.source_model)  # fmt: skip
     return final

@@ -29,6 +29,7 @@ from alignpipe.context import StageContext
 from alignpipe.engines.local import grpo
 from alignpipe.engines.local.judge import JudgeConfig, judge_rewards, load_judge
 from alignpipe.errors import ConfigError, UnsupportedSetting
+from alignpipe.measure.heldout import HeldoutSamples
 from alignpipe.measure.reward_model import RewardModelScorer, hacking_suspected
 
 REWARD_SOURCES = ("rm", "judge")
@@ -92,13 +93,12 @@ def judge_score_fn(judge_cfg: JudgeConfig, generate, group_size: int) -> Callabl
     return score
 
 
-def heldout_rm_metrics(ctx: StageContext, scorer: RewardModelScorer, policy, reference, tokenizer,
-                       live) -> dict[str, float]:
+def heldout_rm_metrics(
+    ctx: StageContext, scorer: RewardModelScorer, samples: HeldoutSamples, reference: HeldoutSamples, live
+) -> dict[str, float]:
     """RM scores of the policy's and the SFT reference's held-out samples; the reward-hacking flag."""
-    rows, pol = grpo.sample_heldout(ctx, policy, tokenizer)
-    _, ref = grpo.sample_heldout(ctx, reference, tokenizer)
-    prompts = [r["prompt"] for r in rows]
-    pol_scores, ref_scores = scorer(prompts, pol), scorer(prompts, ref)
+    pol_scores = scorer(samples.prompts, samples.completions)
+    ref_scores = scorer(reference.prompts, reference.completions)
     out = {
         "rm_score": sum(pol_scores) / max(1, len(pol_scores)),
         "rm_score_reference": sum(ref_scores) / max(1, len(ref_scores)),
@@ -129,8 +129,9 @@ def run(ctx: StageContext) -> None:
     scorer = RewardModelScorer(str(rm_path))
     scaling = get_path(cfg, "grpo.reward_scaling")
     if source == "rm":
-        reward = grpo.RewardFn(rm_score_fn(scorer, get_path(cfg, "alignpipe.reward_clip")), name="reward_model",
-                               scaling=scaling)
+        reward = grpo.RewardFn(
+            rm_score_fn(scorer, get_path(cfg, "alignpipe.reward_clip")), name="reward_model", scaling=scaling
+        )
     else:
         try:
             judge_cfg = JudgeConfig.from_dict(get_path(cfg, "alignpipe.judge"))
@@ -145,7 +146,7 @@ def run(ctx: StageContext) -> None:
         group = int(get_path(cfg, "grpo.num_generations_per_prompt", 8))
         reward = grpo.RewardFn(judge_score_fn(judge_cfg, generate, group), name="judge", scaling=scaling)
 
-    def after(live, policy, reference, tokenizer) -> dict[str, float]:
-        return heldout_rm_metrics(ctx, scorer, policy, reference, tokenizer, live)
+    def after(live, samples, reference) -> dict[str, float]:
+        return heldout_rm_metrics(ctx, scorer, samples, reference, live)
 
     grpo.run_grpo(ctx, reward, after_training=after)

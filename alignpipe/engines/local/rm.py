@@ -34,6 +34,7 @@ from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, publish, training
 from alignpipe.errors import UnsupportedSetting
+from alignpipe.measure.logprobs import LOCAL_DTYPE
 from alignpipe.measure.metrics import local_keys
 
 # trainer / validation log key -> pipeline metric name (same names on the NeMo-RL engine)
@@ -108,7 +109,9 @@ def load_reward_model(path: str, tokenizer):
     """The SFT policy with a fresh one-label score head; padding tells it where sequences end."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, local_files_only=True)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, local_files_only=True, dtype=LOCAL_DTYPE
+    )
     model.config.pad_token_id = tokenizer.pad_token_id
     # transformers' load report (in logs/rm.log) lists lm_head as unused and score as new: by design.
     print(f"rm: reward head initialised on {os.path.relpath(path)} (expected: its lm_head is dropped)", flush=True)

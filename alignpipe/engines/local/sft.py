@@ -12,7 +12,8 @@ from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, publish, training
 from alignpipe.jsonl import read_jsonl
-from alignpipe.measure.heldout import log_heldout
+from alignpipe.measure.heldout import log_heldout, sample_heldout, samples_file
+from alignpipe.measure.logprobs import LOCAL_DTYPE
 from alignpipe.measure.metrics import local_keys
 
 # trainer log key -> pipeline metric name (same names on the NeMo-RL engine)
@@ -50,10 +51,12 @@ def run(ctx: StageContext) -> None:
     live = live_log.open_live(ctx)
     if import_from:
         # Warm start from an existing HF checkpoint instead of training one.
-        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(ctx, import_from), local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            resolve_model_path(ctx, import_from), local_files_only=True, dtype=LOCAL_DTYPE
+        )
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(ctx, import_from), local_files_only=True)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=LOCAL_DTYPE)
         train = Dataset.from_list(to_prompt_completion(read_jsonl(ctx.root / cfg["data"]["train"]["data_path"])))
         val_path = get_path(cfg, "data.validation.data_path")
         val = Dataset.from_list(to_prompt_completion(read_jsonl(ctx.root / val_path))) if val_path else None
@@ -80,9 +83,10 @@ def run(ctx: StageContext) -> None:
             live_log.log_to_live(live, METRICS, trainer.evaluate(), trainer.state.global_step)
         model = trainer.model
 
-    heldout = log_heldout(live, ctx, model, tokenizer)
+    samples = sample_heldout(ctx, model, tokenizer)
+    heldout = log_heldout(live, tokenizer, samples)
     metrics = live_log.close(ctx, live)
-    publish.publish_model(ctx, "policy", model, tokenizer, metrics)
+    publish.publish_model(ctx, "policy", model, tokenizer, metrics, files=samples_file(samples))
     training.clear_scratch(ctx)
     console.outcome("sft", {"heldout/accuracy": heldout["accuracy"]}, ctx.output("policy").relative_to(ctx.root),
                     ctx.started)

@@ -207,12 +207,10 @@ def heldout_for(ctx, model_dir: Path) -> dict[str, float] | None:
         return None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from alignpipe.jsonl import read_jsonl
-    from alignpipe.measure.heldout import heldout_accuracy
+    from alignpipe.measure.heldout import heldout_accuracy, heldout_rows, heldout_settings
 
-    rows = read_jsonl(ctx.root / settings.get("data_path", "data/prepared/rlvr/test.jsonl"))
-    if settings.get("limit"):
-        rows = rows[: int(settings["limit"])]
+    settings = heldout_settings(ctx)
+    rows = heldout_rows(ctx, settings)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
