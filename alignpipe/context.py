@@ -31,9 +31,22 @@ OFFLINE_ENV = {
 }
 
 
+# The local engine's torch on CPU: OpenMP threads that wait for work sleep instead of spinning.
+# Spinning workers stall each other when the cores are shared: a tiny-model training step with 2
+# threads next to two busy processes took 10x longer spinning, and 0.5x of one thread's time
+# sleeping (benchmarks/RESULTS.md, "Threads"). libgomp reads it once, when torch is imported.
+CPU_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def set_offline_env() -> None:
     """No network at run time: models and data come from paths or the local cache."""
     for k, v in OFFLINE_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+def set_cpu_env() -> None:
+    """Before torch is imported: ``CPU_ENV``, unless the user set those variables."""
+    for k, v in CPU_ENV.items():
         os.environ.setdefault(k, v)
 
 

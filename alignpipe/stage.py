@@ -14,7 +14,14 @@ from pathlib import Path
 
 from alignpipe import console
 from alignpipe.config import get_path
-from alignpipe.context import OFFLINE_ENV, StageContext, build_context, inner_argv, set_offline_env
+from alignpipe.context import (
+    OFFLINE_ENV,
+    StageContext,
+    build_context,
+    inner_argv,
+    set_cpu_env,
+    set_offline_env,
+)
 from alignpipe.errors import ConfigError
 
 
@@ -39,6 +46,8 @@ def run_stage(
     if not inner:  # a launcher's inner run is the same stage: one header
         console.header(label, ctx.engine, ctx.profile, get_path(ctx.config, "policy.model_name", None))
     if inner or ctx.launcher == "process":
+        if ctx.engine == "local":
+            set_cpu_env()
         console.quiet_libraries(console.raw_log_path(root, label))
         engine_module(ctx).run(ctx)
         if os.environ.get("ALIGNPIPE_TIMING"):  # benchmarks/: wall and CPU time of the whole stage process

@@ -15,6 +15,9 @@ if [ -z "${BENCH_SKIP_PIPELINE:-}" ]; then
   "$py" "$here/benchmarks/pipeline.py" --workdir "$work/pipeline" --out "$here/benchmarks/results/pipeline.json"
 fi
 
+echo "==> torch threads on the tiny model: 1 vs 2, spinning vs passive OpenMP workers, 0-2 busy neighbours"
+"$py" "$here/benchmarks/torch_threads.py" > "$here/benchmarks/results/torch_threads.json"
+
 echo "==> 2 GiB multi-file checkpoint into the DVC cache (hardlink) vs md5sum"
 bash "$here/benchmarks/cache_checkpoint.sh" "$work/cache" "${BENCH_CKPT_FILES:-8}" "${BENCH_CKPT_MIB:-256}" \
   | tee "$here/benchmarks/results/cache_checkpoint.json"

@@ -108,6 +108,24 @@ def test_check_lock_catches_a_code_change_and_a_missing_lock(tiny_dvc_repo: Path
 # ----------------------------------------------------------------------------- the real dvc.yaml
 
 
+def test_bytecode_caches_are_outside_code_deps():
+    """Python writes __pycache__/ beside the code a stage runs. DVC must not hash it into a
+    directory dep (alignpipe/measure, ...), or running anything makes the lock look stale."""
+    assert (
+        sh(
+            REPO, "dvc", "check-ignore", "alignpipe/measure/__pycache__/heldout.cpython-311.pyc", check=False
+        ).returncode
+        == 0
+    )
+    assert sh(REPO, "dvc", "check-ignore", "alignpipe/measure/heldout.py", check=False).returncode == 1
+
+
+def test_stage_docs_are_outside_stage_deps():
+    """stages/<name>/ is a dep (config, stage.toml); its README is documentation the stage never reads."""
+    assert sh(REPO, "dvc", "check-ignore", "stages/rlvr/README.md", check=False).returncode == 0
+    assert sh(REPO, "dvc", "check-ignore", "stages/rlvr/config/tiny.yaml", check=False).returncode == 1
+
+
 @pytest.fixture(scope="module")
 def index():
     """The pipeline as DVC parses it (foreach expanded), with no git or data needed."""

@@ -136,7 +136,9 @@ def test_evaluate_compares_policies_on_shared_samples(trained_sft: Path, tmp_pat
     assert "samples reused 2/3" in outcome
     published = [json.loads(line) for line in (root / "models/sft" / SAMPLES_FILE).read_text().splitlines()]
     assert [s["completion"] for s in sft_samples] == [p["completion"] for p in published]
-    torch.set_num_threads(1)  # as the stage ran (tiny: alignpipe.torch_threads 1)
+    # The thread count the sft stage sampled with: another count changes float sums, hence samples.
+    sft_config = yaml.safe_load((root / "models/sft/resolved_config.yaml").read_text())
+    torch.set_num_threads(sft_config["alignpipe"]["torch_threads"])
     model, tok = load_policy(root / "models/sft")
     rows = [json.loads(line) for line in (root / metrics["heldout"]["data_path"]).read_text().splitlines()]
     settings = yaml.safe_load((root / "results/evaluate/resolved_config.yaml").read_text())["alignpipe"]["heldout"]

@@ -139,9 +139,10 @@ def trl_common_args(ctx: StageContext, algo: str, output_dir: Path) -> dict[str,
 def apply_torch_threads(ctx: StageContext) -> None:
     """``alignpipe.torch_threads`` from the profile: torch's intra-op CPU threads.
 
-    For the ~1M-parameter tiny model, thread hand-offs cost more than they save, and on a
-    busy machine spinning OpenMP workers burn the CPU others need: one DPO step took
-    0.23 s of CPU with 1 thread and 1.6 s with 2 on the shared 2-core box.
+    A fixed count keeps results byte-identical across machines (a different count changes
+    the floating-point sums, hence every hash in dvc.lock). The stage process lets idle
+    OpenMP workers sleep (``context.CPU_ENV``), so a second thread no longer costs a busy
+    machine the 2-10x that spinning did.
     """
     threads = get_path(ctx.config, "alignpipe.torch_threads")
     if threads:
