@@ -15,8 +15,11 @@ pytestmark = pytest.mark.slow
 
 FAST_GRPO = {
     "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 4, "max_num_steps": 6},
-    "policy": {"train_global_batch_size": 32, "train_micro_batch_size": 32,
-               "optimizer": {"kwargs": {"lr": 1.0e-3}}},
+    "policy": {
+        "train_global_batch_size": 32,
+        "train_micro_batch_size": 32,
+        "optimizer": {"kwargs": {"lr": 1.0e-3}},
+    },
     "loss_fn": {"reference_policy_kl_penalty": 0.05},
 }
 
@@ -48,8 +51,18 @@ def test_rlhf_reports_rm_scores_against_the_sft_reference(rlhf_repo):
     assert held["reward_hacking_suspected"] in (0.0, 1.0)
     flagged = "reward hacking suspected" in (rlhf_repo / "rlhf.stderr").read_text()
     assert flagged == (held["reward_hacking_suspected"] == 1.0)
-    for key in ("reward_mean", "reward_std", "frac_zero_std_groups", "kl", "response_length_mean",
-                "truncated_fraction", "entropy", "loss", "rm_score", "verifier_accuracy"):
+    for key in (
+        "reward_mean",
+        "reward_std",
+        "frac_zero_std_groups",
+        "kl",
+        "response_length_mean",
+        "truncated_fraction",
+        "entropy",
+        "loss",
+        "rm_score",
+        "verifier_accuracy",
+    ):
         assert isinstance(metrics["train"][key], float), key
     assert curve(rlhf_repo, "rlhf", "train/kl")[-1] > 0  # beta > 0 and the policy moved
 
@@ -70,8 +83,10 @@ def test_rlhf_policy_reloads_and_changed(rlhf_repo):
 
     policy = AutoModelForCausalLM.from_pretrained(rlhf_repo / "models/rlhf", local_files_only=True)
     sft = AutoModelForCausalLM.from_pretrained(rlhf_repo / "models/sft", local_files_only=True)
-    assert any(not torch.equal(a, b) for a, b in zip(policy.state_dict().values(), sft.state_dict().values(),
-                                                     strict=True))
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(policy.state_dict().values(), sft.state_dict().values(), strict=True)
+    )
     manifest = json.loads((rlhf_repo / "models/rlhf/artifact.json").read_text())
     assert manifest["stage"] == "rlhf" and "heldout/rm_score" in manifest["metrics"]
 
@@ -82,8 +97,11 @@ def test_judge_mode_runs_and_counts_unparseable_verdicts(rlhf_repo, tmp_path):
     shutil.copytree(rlhf_repo, root)
     for out in ("models/rlhf", "results/rlhf"):
         shutil.rmtree(root / out)
-    knobs = {**FAST_GRPO, "grpo": {**FAST_GRPO["grpo"], "max_num_steps": 2},
-             "alignpipe": {"reward_source": "judge", "judge": {"mode": "pairwise", "unparseable": 0.5}}}
+    knobs = {
+        **FAST_GRPO,
+        "grpo": {**FAST_GRPO["grpo"], "max_num_steps": 2},
+        "alignpipe": {"reward_source": "judge", "judge": {"mode": "pairwise", "unparseable": 0.5}},
+    }
     set_params(root, {"rlhf": knobs})
     run_cli(root, "run", "rlhf", env={"ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")})
     metrics = json.loads((root / "results/rlhf/metrics.json").read_text())
@@ -91,3 +109,31 @@ def test_judge_mode_runs_and_counts_unparseable_verdicts(rlhf_repo, tmp_path):
     # Every reward is a win rate or the configured fallback: within [0, 1].
     assert 0.0 <= metrics["train"]["reward_mean"] <= 1.0
     assert "rm_score" in metrics["heldout"]  # the RM still measures the held-out answers
+
+
+def test_evaluate_reuses_what_rlhf_measured_and_it_equals_measuring_again(rlhf_repo, tmp_path):
+    """rlhf publishes its held-out KL and per-sample RM scores with the samples; evaluate takes
+    them (the export carries them) when they name its own reference and reward model."""
+    root = tmp_path / "repo"
+    shutil.copytree(rlhf_repo, root)
+    run_cli(root, "run", "convert", "--source", "rlhf")
+    policies = [{"name": "sft", "path": "models/sft"}, {"name": "rlhf", "path": "exports/rlhf"}]
+    set_params(
+        root, {"evaluate": {"alignpipe": {"evaluate": {"policies": policies, "reward_model": "models/rm"}}}}
+    )
+
+    def evaluate() -> tuple[str, dict]:
+        outcome = run_cli(root, "run", "evaluate").stdout
+        return outcome, json.loads((root / "results/evaluate/metrics.json").read_text())["policies"]["rlhf"]
+
+    outcome, reused = evaluate()
+    assert "measures reused 2" in outcome  # rlhf's KL to models/sft and its RM scores
+    held = json.loads((root / "results/rlhf/metrics.json").read_text())["heldout"]
+    assert reused["kl_to_sft"] == held["kl_to_reference"]
+    assert reused["rm_score"] == pytest.approx(held["rm_score"], rel=1e-12)
+
+    (root / "exports/rlhf/heldout_measures.json").unlink()
+    outcome, measured = evaluate()
+    assert "measures reused 0" in outcome
+    assert measured["kl_to_sft"] == pytest.approx(reused["kl_to_sft"], rel=1e-5)
+    assert measured["rm_score"] == pytest.approx(reused["rm_score"], rel=1e-5)

@@ -4,7 +4,9 @@ Sampling is the expensive part, so each policy's held-out samples are drawn once
 stage that trains it, and published beside its weights (``heldout_samples.jsonl``, keyed by
 the prompts and sampling settings). Later readers of that model directory (the RL stages for
 their SFT reference, ``convert`` for an unchanged export, ``evaluate``) reuse them when the
-key matches, and sample afresh otherwise.
+key matches, and sample afresh otherwise. What an RL stage measured on them (KL to its
+reference, reward-model scores) goes beside them too (``heldout_measures.json``), with the
+hash of the model each was measured against.
 """
 
 from __future__ import annotations
@@ -79,6 +81,33 @@ def samples_file(samples: HeldoutSamples) -> dict[str, str]:
         for r, c in zip(samples.rows, samples.completions, strict=True)
     )
     return {SAMPLES_FILE: text}
+
+
+MEASURES_FILE = "heldout_measures.json"
+
+
+def measures_file(samples: HeldoutSamples, measures: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """``{MEASURES_FILE: text}``: what was measured on ``samples`` and against which model.
+
+    ``measures`` maps a measure to ``{"model": <DVC hash of the model it was measured with>, ...}``:
+    ``kl_to_reference: {model, value}`` (the reference policy) and ``rm_score: {model, scores}``
+    (the reward model, one score per sample). ``evaluate`` reuses an entry when the model it
+    would measure with has the same hash, instead of running both models over the samples again.
+    """
+    if not measures:
+        return {}
+    return {MEASURES_FILE: json.dumps({"key": samples.key, **measures}, indent=1, sort_keys=True) + "\n"}
+
+
+def load_measures(model_dir: Path | str, samples: HeldoutSamples) -> dict[str, dict[str, Any]]:
+    """The measures a model directory carries for exactly these samples (``{}`` if none)."""
+    path = Path(model_dir) / MEASURES_FILE
+    if not path.is_file():
+        return {}
+    found = json.loads(path.read_text())
+    if found.pop("key", None) != samples.key:
+        return {}
+    return found
 
 
 def sample_heldout(

@@ -44,7 +44,7 @@ from alignpipe.context import StageContext
 from alignpipe.engines.local import training
 from alignpipe.engines.local.publish import write_hf_manifest
 from alignpipe.errors import AlignpipeError, ConfigError
-from alignpipe.measure.heldout import SAMPLES_FILE
+from alignpipe.measure.heldout import MEASURES_FILE, SAMPLES_FILE
 
 HF_FORMATS = ("hf", "hf_consolidated")
 # artifact.json format -> NeMo-RL checkpoint format (alignpipe.engines.nemo_rl.convert). The
@@ -384,9 +384,10 @@ def run(ctx: StageContext) -> None:
         if training_cfg.is_file():
             shutil.copyfile(training_cfg, out / TRAINING_CONFIG)
         write_text_atomic(out / RESOLVED_CONFIG, ctx.resolved_config_yaml())
-        samples = ctx.input("checkpoint") / SAMPLES_FILE
-        if samples.is_file() and not cast_to:  # the same weights: evaluate reuses their held-out samples
-            shutil.copyfile(samples, out / SAMPLES_FILE)
+        if not cast_to:  # the same weights: evaluate reuses their held-out samples and measures
+            for name in (SAMPLES_FILE, MEASURES_FILE):
+                if (ctx.input("checkpoint") / name).is_file():
+                    shutil.copyfile(ctx.input("checkpoint") / name, out / name)
         verification = verify_export(out, model, prompts, verify, cast_to)
         write_text_atomic(
             out / "README.md", model_card(ctx, manifest, source_hash, verification, final_dtype)

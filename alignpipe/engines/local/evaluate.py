@@ -13,6 +13,10 @@ exports) one seeded sample per held-out prompt (``data/prepared/rlvr/test.jsonl`
   token ``r = log p_sft(t) - log p_policy(t)`` and ``k3 = exp(r) - r - 1`` (>= 0, unbiased),
   averaged over all sampled tokens (the EOS included when the sample ended on it).
 
+Samples, KL and RM scores that a training stage already measured are reused
+(``heldout_samples.jsonl``, ``heldout_measures.json`` beside the policy): a measure only when it
+names the DVC hash of this stage's reference or reward model.
+
 A policy whose RM score beats the SFT policy's while its accuracy falls below SFT's is
 flagged ``suspected_reward_hacking``: the reward model likes it more, the verifier less.
 
@@ -23,10 +27,12 @@ Outputs (``results/evaluate``): ``metrics.json`` (``{"policies": {name: {...}}}`
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from alignpipe import console
 from alignpipe.artifacts import (
+    dvc_hash,
     staged_dir,
     write_json_atomic,
     write_text_atomic,
@@ -42,6 +48,7 @@ from alignpipe.measure.heldout import (
     heldout_accuracy,
     heldout_rows,
     heldout_settings,
+    load_measures,
     sample_heldout,
 )
 from alignpipe.measure.logprobs import kl_to_reference, load_policy
@@ -77,26 +84,50 @@ def flag_reward_hacking(
 # ----------------------------------------------------------------------------- stage
 
 
+@dataclass
+class Judges:
+    """What every policy is measured against: the KL reference and the reward model, each with
+    the DVC hash that a stage's published measures must name to be reused."""
+
+    reference: str
+    reference_model: Any
+    reference_hash: str
+    scorer: RewardModelScorer | None
+    scorer_hash: str | None
+    reused: int = 0  # measures taken from what a training stage published
+
+
 def measure_policy(
-    name, model, tok, reference, held: HeldoutSamples, settings, scorer
+    name, model, tok, judges: Judges, held: HeldoutSamples, settings, known: dict[str, dict]
 ) -> tuple[dict[str, Any], list[dict]]:
     """One policy's metrics on its own seeded samples, and the samples with their scores.
 
-    ``reference``: ``(name, model)`` of the policy KL is measured against.
+    ``known``: measures the policy's training stage published for these samples
+    (``heldout.load_measures``); one is reused when it names the same judging model.
     """
     from alignpipe.rewards import score_completions
 
     rows, prompts, completions = held.rows, held.prompts, held.completions
     acc = heldout_accuracy(model, tok, rows, settings, completions=completions)
-    scores = scorer(prompts, completions) if scorer is not None else None
-    max_new = int(settings.get("max_new_tokens", 16))
+    kl, scores = known.get("kl_to_reference", {}), known.get("rm_score", {})
+    if judges.scorer is None:
+        scores = None
+    elif scores.get("model") == judges.scorer_hash:
+        scores, judges.reused = scores["scores"], judges.reused + 1
+    else:
+        scores = judges.scorer(prompts, completions)
+    if name == judges.reference:
+        kl = 0.0
+    elif kl.get("model") == judges.reference_hash:
+        kl, judges.reused = kl["value"], judges.reused + 1
+    else:
+        max_new = int(settings.get("max_new_tokens", 16))
+        kl = kl_to_reference(model, judges.reference_model, tok, prompts, completions, max_new)
     metrics = {
         "heldout_accuracy": acc["accuracy"],
         "rm_score": sum(scores) / len(scores) if scores else None,
         "mean_length": acc["mean_length"],
-        "kl_to_sft": 0.0
-        if name == reference[0]
-        else kl_to_reference(model, reference[1], tok, prompts, completions, max_new),
+        "kl_to_sft": kl,
         **{f"heldout_{k}": v for k, v in acc.items() if k.startswith("accuracy_")},
     }
     verdicts = score_completions(rows, completions)  # per sample, for samples.jsonl
@@ -150,9 +181,16 @@ def run(ctx: StageContext) -> None:
     rows = heldout_rows(ctx, settings)
     torch.manual_seed(ctx.seed)
 
-    ref_model, ref_tok = load_policy(ctx.root / next(e["path"] for e in entries if e["name"] == reference))
+    ref_path = ctx.root / next(e["path"] for e in entries if e["name"] == reference)
+    ref_model, ref_tok = load_policy(ref_path)
     rm_path = ev.get("reward_model")
-    scorer = RewardModelScorer(str(ctx.root / rm_path)) if rm_path else None
+    judges = Judges(
+        reference,
+        ref_model,
+        dvc_hash(ref_path),
+        RewardModelScorer(str(ctx.root / rm_path)) if rm_path else None,
+        dvc_hash(ctx.root / rm_path) if rm_path else None,
+    )
 
     policies: dict[str, dict[str, Any]] = {}
     samples: list[dict[str, Any]] = []
@@ -167,9 +205,8 @@ def run(ctx: StageContext) -> None:
             )
         # The samples the training stage drew and published with the model, when they match.
         held = sample_heldout(ctx, model, tok, model_dir=ctx.root / entry["path"])
-        measured, policy_samples = measure_policy(
-            name, model, tok, (reference, ref_model), held, settings, scorer
-        )
+        known = load_measures(ctx.root / entry["path"], held) if held.reused else {}
+        measured, policy_samples = measure_policy(name, model, tok, judges, held, settings, known)
         reused += held.reused
         policies[name] = {"path": entry["path"], **measured}
         samples += policy_samples
@@ -200,6 +237,7 @@ def run(ctx: StageContext) -> None:
         {
             "policies": len(policies),
             "samples reused": f"{reused}/{len(policies)}",
+            "measures reused": judges.reused,
             "suspected reward hacking": ", ".join(flagged) or "none",
         },
         ctx.output("results").relative_to(ctx.root),

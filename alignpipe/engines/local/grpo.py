@@ -23,13 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from alignpipe import console
+from alignpipe.artifacts import dvc_hash
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, publish, training
 from alignpipe.errors import NoLearningSignal, UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.generation import user_turn
-from alignpipe.measure.heldout import heldout_settings, log_heldout, sample_heldout, samples_file
+from alignpipe.measure.heldout import (
+    heldout_settings,
+    log_heldout,
+    measures_file,
+    sample_heldout,
+    samples_file,
+)
 from alignpipe.measure.logprobs import kl_to_reference, load_policy
 from alignpipe.measure.metrics import local_keys
 from alignpipe.timing import record_timing
@@ -317,12 +324,13 @@ def run_grpo(
     reward_fn: RewardFn,
     *,
     data_key: str = "data.train.data_path",
-    after_training: Callable[[Any, Any, Any, Any], dict[str, Any]] | None = None,
+    after_training: Callable[[Any, Any, Any, dict], dict[str, Any]] | None = None,
 ) -> dict[str, float]:
     """Train, evaluate against the SFT reference, publish ``policy_out``. Returns the flat metrics.
 
-    ``after_training(live, samples, reference_samples)`` lets a stage add its own held-out
-    metrics (rlhf: reward-model scores) before the summary is written.
+    ``after_training(live, samples, reference_samples, measures)`` lets a stage add its own
+    held-out metrics (rlhf: reward-model scores) before the summary is written, and per-sample
+    measures to publish with the samples (``heldout.measures_file``).
     """
     from datasets import Dataset
     from trl import GRPOConfig
@@ -380,10 +388,12 @@ def run_grpo(
     max_new = int(heldout_settings(ctx).get("max_new_tokens", 16))
     kl = kl_to_reference(policy, reference, tokenizer, samples.prompts, samples.completions, max_new)
     live.summary.setdefault("heldout", {})["kl_to_reference"] = kl
-    extra = after_training(live, samples, ref_samples) if after_training else {}
+    measures = {"kl_to_reference": {"model": dvc_hash(ctx.input("policy")), "value": kl}}
+    extra = after_training(live, samples, ref_samples, measures) if after_training else {}
     record_timing(ctx.name, "heldout", seconds=time.monotonic() - heldout_started)
     metrics = live_log.close(ctx, live)
-    publish.publish_model(ctx, "policy_out", policy, tokenizer, metrics, files=samples_file(samples))
+    files = {**samples_file(samples), **measures_file(samples, measures)}
+    publish.publish_model(ctx, "policy_out", policy, tokenizer, metrics, files=files)
     training.clear_scratch(ctx)
     console.outcome(
         ctx.name,

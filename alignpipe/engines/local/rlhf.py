@@ -24,6 +24,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from alignpipe.artifacts import dvc_hash
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import grpo
@@ -94,10 +95,17 @@ def judge_score_fn(judge_cfg: JudgeConfig, generate, group_size: int) -> Callabl
 
 
 def heldout_rm_metrics(
-    ctx: StageContext, scorer: RewardModelScorer, samples: HeldoutSamples, reference: HeldoutSamples, live
+    ctx: StageContext,
+    scorer: RewardModelScorer,
+    samples: HeldoutSamples,
+    reference: HeldoutSamples,
+    live,
+    measures: dict[str, dict],
 ) -> dict[str, float]:
-    """RM scores of the policy's and the SFT reference's held-out samples; the reward-hacking flag."""
+    """RM scores of the policy's and the SFT reference's held-out samples; the reward-hacking flag.
+    The policy's per-sample scores go into ``measures``, published with its samples."""
     pol_scores = scorer(samples.prompts, samples.completions)
+    measures["rm_score"] = {"model": dvc_hash(ctx.input("reward_model")), "scores": pol_scores}
     ref_scores = scorer(reference.prompts, reference.completions)
     out = {
         "rm_score": sum(pol_scores) / max(1, len(pol_scores)),
@@ -146,7 +154,7 @@ def run(ctx: StageContext) -> None:
         group = int(get_path(cfg, "grpo.num_generations_per_prompt", 8))
         reward = grpo.RewardFn(judge_score_fn(judge_cfg, generate, group), name="judge", scaling=scaling)
 
-    def after(live, samples, reference) -> dict[str, float]:
-        return heldout_rm_metrics(ctx, scorer, samples, reference, live)
+    def after(live, samples, reference, measures) -> dict[str, float]:
+        return heldout_rm_metrics(ctx, scorer, samples, reference, live, measures)
 
     grpo.run_grpo(ctx, reward, after_training=after)
