@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--source", help="item of a foreach stage, e.g. `convert --source dpo`")
     plan.add_argument("--write", metavar="DIR", help="also write the files into DIR")
     plan.add_argument(
-        "--check", action="store_true",
+        "--check",
+        action="store_true",
         help="validate the NeMo-RL config and launch command with NeMo-RL's own code ($NEMO_RL_SRC)",
     )
     plan.set_defaults(func=_cmd_plan)

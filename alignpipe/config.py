@@ -63,7 +63,9 @@ def repo_root(start: Path | None = None) -> Path:
             return candidate
     if os.environ.get("DVC_ROOT"):
         return Path(os.environ["DVC_ROOT"]).resolve()
-    raise ConfigError(f"no dvc.yaml with a stages/ folder above {here}; run alignpipe from inside the repository")
+    raise ConfigError(
+        f"no dvc.yaml with a stages/ folder above {here}; run alignpipe from inside the repository"
+    )
 
 
 def load_params(root: Path) -> dict[str, Any]:
@@ -149,7 +151,11 @@ def load_contract(root: Path, stage: str) -> StageContract:
             missing = [k for k in ("name", "type", "path") if k not in entry]
             if missing:
                 raise ConfigError(f"{path}: [[{key}]] entry {i} lacks {', '.join(missing)}")
-            out.append(Port(**{k: entry[k] for k in ("name", "type", "path", "description", "required") if k in entry}))
+            out.append(
+                Port(
+                    **{k: entry[k] for k in ("name", "type", "path", "description", "required") if k in entry}
+                )
+            )
         return tuple(out)
 
     return StageContract(
@@ -173,7 +179,9 @@ def with_source(contract: StageContract, source: str | None) -> StageContract:
     templated = any("{source}" in p.path for p in (*contract.consumes, *contract.produces))
     if not templated:
         if source:
-            raise ConfigError(f"stage '{contract.name}' takes no --source (its stage.toml paths have no {{source}})")
+            raise ConfigError(
+                f"stage '{contract.name}' takes no --source (its stage.toml paths have no {{source}})"
+            )
         return contract
     if not source:
         raise ConfigError(

@@ -53,7 +53,9 @@ def quiet_libraries(log_file: Path) -> None:
 
 def header(stage: str, engine: str, profile: str, model: str | None) -> float:
     """Print the stage's header line; return the start time for ``outcome``."""
-    print(f"{stage} · engine {engine} · profile {profile}" + (f" · model {model}" if model else ""), flush=True)
+    print(
+        f"{stage} · engine {engine} · profile {profile}" + (f" · model {model}" if model else ""), flush=True
+    )
     return time.monotonic()
 
 
@@ -89,8 +91,14 @@ def progress_callback(stage: str, headline: dict[str, str], log_file: Path | Non
 
                 # A pty that reports no size (0x0) would hide tqdm's bar: fall back to 100x20.
                 size = shutil.get_terminal_size((100, 20))
-                self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc=stage, unit="step",
-                                ncols=size.columns, nrows=size.lines)
+                self.bar = tqdm(
+                    total=state.max_steps,
+                    initial=state.global_step,
+                    desc=stage,
+                    unit="step",
+                    ncols=size.columns,
+                    nrows=size.lines,
+                )
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.bar is not None:
@@ -120,7 +128,9 @@ def progress_callback(stage: str, headline: dict[str, str], log_file: Path | Non
             rate = done / elapsed if elapsed > 0 else 0.0
             eta = (state.max_steps - state.global_step) / rate if rate > 0 else 0.0
             metrics = "  ".join(f"{k} {v:.3g}" for k, v in self.shown.items())
-            return (f"{stage} step {state.global_step}/{state.max_steps}  {rate:.1f} step/s  "
-                    f"ETA {int(eta) // 60}:{int(eta) % 60:02d}  {metrics}").rstrip()
+            return (
+                f"{stage} step {state.global_step}/{state.max_steps}  {rate:.1f} step/s  "
+                f"ETA {int(eta) // 60}:{int(eta) % 60:02d}  {metrics}"
+            ).rstrip()
 
     return ConsoleProgress()

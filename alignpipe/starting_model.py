@@ -47,7 +47,9 @@ def model_source(params: dict[str, Any]) -> ModelSource:
     """``model`` from params.yaml, checked."""
     section = params.get("model") or {}
     if not isinstance(section, dict):
-        raise ConfigError("params.yaml: 'model' must be a mapping with name, revision, download (conf/config.yaml)")
+        raise ConfigError(
+            "params.yaml: 'model' must be a mapping with name, revision, download (conf/config.yaml)"
+        )
     name = section.get("name")
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise ConfigError(
@@ -76,7 +78,9 @@ def check_dep(name: str, dep: str | None) -> None:
 def copy_local(src: Path, dst: Path) -> list[str]:
     """Copy a local model directory's files into ``dst``; returns the names copied."""
     if not src.is_dir():
-        raise ConfigError(f"params.yaml: model.name {src} is not a directory (a Hugging Face model directory is)")
+        raise ConfigError(
+            f"params.yaml: model.name {src} is not a directory (a Hugging Face model directory is)"
+        )
     if not (src / "config.json").is_file():
         raise ConfigError(
             f"params.yaml: model.name {src} holds no config.json; point it at a Hugging Face model "
@@ -118,7 +122,11 @@ def download(source: ModelSource, dst: Path) -> str:
 def lineage(source: ModelSource, src_dir: Path, commit: str | None = None) -> dict[str, Any]:
     """What artifact.json and model cards say about the starting model."""
     if source.kind == "local":
-        return {"kind": "local", "name": str(Path(source.name).expanduser().resolve()), "hash": dvc_hash(src_dir)}
+        return {
+            "kind": "local",
+            "name": str(Path(source.name).expanduser().resolve()),
+            "hash": dvc_hash(src_dir),
+        }
     return {"kind": "hub", "name": f"{source.name}@{commit}", "revision": source.revision or "main",
             "commit": commit, "hash": dvc_hash(src_dir)}  # fmt: skip
 
@@ -129,7 +137,9 @@ def ensure_pad_token(tokenizer) -> bool:
     if tokenizer.pad_token is not None:
         return False
     if tokenizer.eos_token is None:
-        raise ConfigError("the starting model's tokenizer has neither a pad nor an eos token; set one in its tokenizer_config.json")
+        raise ConfigError(
+            "the starting model's tokenizer has neither a pad nor an eos token; set one in its tokenizer_config.json"
+        )
     tokenizer.pad_token = tokenizer.eos_token
     return True
 

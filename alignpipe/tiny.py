@@ -23,7 +23,10 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}" + SYSTEM + "{{ message['content'] }}" + EOS + "{% endif %}"
     "{% if message['role'] == 'user' %}" + USER + "{{ message['content'] }}" + EOS + "{% endif %}"
-    "{% if message['role'] == 'assistant' %}" + ASSISTANT + "{% generation %}{{ message['content'] }}" + EOS
+    "{% if message['role'] == 'assistant' %}"
+    + ASSISTANT
+    + "{% generation %}{{ message['content'] }}"
+    + EOS
     + "{% endgeneration %}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"

@@ -154,8 +154,13 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/alignpipe-bench/pipeline"))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "pipeline.json")
     parser.add_argument("--targets", nargs="*", default=[], help="stages to reproduce (default: all)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="compose params.yaml with this override, as `dvc exp run -S` does (repeatable)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="compose params.yaml with this override, as `dvc exp run -S` does (repeatable)",
+    )
     args = parser.parse_args()
 
     root = fresh_copy(args.workdir)

@@ -57,7 +57,10 @@ def project_files(root: Path = REPO) -> list[str]:
     """Tracked files plus new, not-ignored ones: what a clone of this work would hold."""
     out = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=root, check=True, capture_output=True, text=True,
+        cwd=root,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     return [line for line in out.splitlines() if line and (root / line).is_file()]
 
@@ -70,8 +73,13 @@ def copy_repo(dst: Path, *, git: bool = False) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / rel, target)
     if git:
-        env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-               "GIT_COMMITTER_EMAIL": "t@t"}
+        env = {
+            **os.environ,
+            "GIT_AUTHOR_NAME": "t",
+            "GIT_AUTHOR_EMAIL": "t@t",
+            "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@t",
+        }
         subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
         subprocess.run(["git", "add", "-A"], cwd=dst, check=True)
         subprocess.run(["git", "commit", "-qm", "copy"], cwd=dst, check=True, env=env)
@@ -109,7 +117,9 @@ def run_cli(root: Path, *args: str, env: dict | None = None, check: bool = True,
         ["alignpipe", *args], cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"alignpipe {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(
+            f"alignpipe {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 
@@ -187,8 +197,12 @@ def extract_nemo_rl_source() -> Path:
         )
     digest = hashlib.sha256(VENDORED_NEMO_RL.read_bytes()).hexdigest()
     if digest != VENDORED_NEMO_RL_SHA256:
-        raise AssertionError(f"{VENDORED_NEMO_RL}: sha256 {digest}, expected {VENDORED_NEMO_RL_SHA256} (v0.7.0)")
-    cache = Path(os.environ.get("ALIGNPIPE_UPSTREAM_CACHE", Path.home() / ".cache" / "alignpipe" / "upstream"))
+        raise AssertionError(
+            f"{VENDORED_NEMO_RL}: sha256 {digest}, expected {VENDORED_NEMO_RL_SHA256} (v0.7.0)"
+        )
+    cache = Path(
+        os.environ.get("ALIGNPIPE_UPSTREAM_CACHE", Path.home() / ".cache" / "alignpipe" / "upstream")
+    )
     dest = cache / f"nemo-rl-v0.7.0-{digest[:12]}"
     if not (dest / "nemo-rl-v0.7.0" / "nemo_rl").is_dir():
         cache.mkdir(parents=True, exist_ok=True)
@@ -235,7 +249,9 @@ def nemo_rl_schema_python() -> Path:
     if not done.is_file():
         shutil.rmtree(venv, ignore_errors=True)  # a half-built venv from an interrupted run
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", *NEMO_RL_SCHEMA_PINS], check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "--no-deps", *NEMO_RL_SCHEMA_PINS], check=True
+        )
         done.write_text("\n".join(NEMO_RL_SCHEMA_PINS) + "\n")
     return python
 

@@ -71,7 +71,8 @@ def server_config_class(server_type: str, name_in_code: str):
 
     module = importlib.import_module(f"{server_type}.{name_in_code}.app")
     found = [
-        obj for obj in vars(module).values()
+        obj
+        for obj in vars(module).values()
         if isinstance(obj, type) and issubclass(obj, BaseServerConfig) and obj.__module__ == module.__name__
     ]
     return found[0] if found else None
@@ -100,13 +101,22 @@ def main() -> None:
         for instance in parser.filter_for_server_instance_configs(parsed):
             ref = instance.get_server_ref()
             inner = OmegaConf.to_container(instance.get_inner_run_server_config_dict(), resolve=True)
-            code_name = instance.get_inner_run_server_config_name() if hasattr(
-                instance, "get_inner_run_server_config_name") else next(iter(parsed[instance.name][ref.type]))
+            code_name = (
+                instance.get_inner_run_server_config_name()
+                if hasattr(instance, "get_inner_run_server_config_name")
+                else next(iter(parsed[instance.name][ref.type]))
+            )
             cls = server_config_class(ref.type, code_name)
             if cls is not None:
                 cls.model_validate({**inner, "name": instance.name} if "name" in cls.model_fields else inner)
-            servers.append({"instance": instance.name, "type": ref.type, "code": code_name,
-                            "config_class": cls.__name__ if cls else None})
+            servers.append(
+                {
+                    "instance": instance.name,
+                    "type": ref.type,
+                    "code": code_name,
+                    "config_class": cls.__name__ if cls else None,
+                }
+            )
         out = {"ok": True, "servers": servers}
     except Exception as e:  # report, do not crash: the test prints it
         out = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}

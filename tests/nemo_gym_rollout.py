@@ -105,7 +105,9 @@ def main() -> None:
     head_port = free_port()
 
     initial = initial_global_config(
-        rendered["env"]["nemo_gym"], rendered["policy"]["model_name"], f"http://127.0.0.1:{vllm.server_port}/v1"
+        rendered["env"]["nemo_gym"],
+        rendered["policy"]["model_name"],
+        f"http://127.0.0.1:{vllm.server_port}/v1",
     )
     initial.pop("ray_head_node_address")  # Gym starts a local Ray, as `ng_run` does
     initial["head_server"] = {"host": "127.0.0.1", "port": head_port}

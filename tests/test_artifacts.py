@@ -48,8 +48,15 @@ def test_staged_dir_failure_leaves_previous_output_untouched(tmp_path):
 
 
 def test_manifest_records_lineage_and_rejects_unknown_types(tmp_path):
-    write_manifest(tmp_path, type="checkpoint_hf", format="hf", stage="sft", engine="local",
-                   inputs={"data": {"path": "data/prepared", "hash": "abc.dir"}}, metrics={"heldout/accuracy": 0.5})
+    write_manifest(
+        tmp_path,
+        type="checkpoint_hf",
+        format="hf",
+        stage="sft",
+        engine="local",
+        inputs={"data": {"path": "data/prepared", "hash": "abc.dir"}},
+        metrics={"heldout/accuracy": 0.5},
+    )
     manifest = read_manifest(tmp_path)
     assert manifest["inputs"]["data"]["hash"] == "abc.dir"
     assert manifest["metrics"]["heldout/accuracy"] == 0.5

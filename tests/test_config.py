@@ -44,7 +44,11 @@ def test_defaults_cycle_is_reported(tmp_path):
 
 def test_params_knobs_and_seed_land_in_resolved_config():
     params = C.load_params(REPO)
-    params = {**params, "seed": 7, "sft": {"sft": {"max_num_steps": 3}, "policy": {"optimizer": {"kwargs": {"lr": 0.5}}}}}
+    params = {
+        **params,
+        "seed": 7,
+        "sft": {"sft": {"max_num_steps": 3}, "policy": {"optimizer": {"kwargs": {"lr": 0.5}}}},
+    }
     cfg = C.resolve_stage_config(REPO, "sft", params)
     assert cfg["sft"]["max_num_steps"] == 3
     assert cfg["policy"]["optimizer"]["kwargs"]["lr"] == 0.5
@@ -94,10 +98,14 @@ def test_dvc_yaml_matches_stage_contract(stage):
         outs = [o if isinstance(o, str) else next(iter(o)) for o in entry.get("outs", [])]
         deps = entry.get("deps", [])
         for port in contract.produces:
-            assert port.path.format(**subst) in outs, f"dvc.yaml stage {stage} does not declare out {port.path}"
+            assert port.path.format(**subst) in outs, (
+                f"dvc.yaml stage {stage} does not declare out {port.path}"
+            )
         for port in contract.consumes:
             if port.required:
-                assert port.path.format(**subst) in deps, f"dvc.yaml stage {stage} does not depend on {port.path}"
+                assert port.path.format(**subst) in deps, (
+                    f"dvc.yaml stage {stage} does not depend on {port.path}"
+                )
         assert entry["cmd"].startswith(f"alignpipe run {stage}")
         assert stage in entry.get("params", [])
 

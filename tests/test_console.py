@@ -38,8 +38,14 @@ def test_a_stage_prints_a_header_a_plain_bar_and_one_outcome_line(sft_repo: Path
 def test_on_a_terminal_the_bar_is_tqdm(sft_repo: Path, tmp_path: Path):
     env = {**os.environ, **OFFLINE, "ALIGNPIPE_ROOT": str(sft_repo), "ALIGNPIPE_SCRATCH": str(tmp_path / "s")}
     # `script` gives the stage a pseudo-terminal, as an interactive `dvc repro` has.
-    proc = subprocess.run(["script", "-qec", "alignpipe run sft", "/dev/null"], cwd=sft_repo, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        ["script", "-qec", "alignpipe run sft", "/dev/null"],
+        cwd=sft_repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"sft: +100%\|.*\| 20/20 \[", proc.stdout), proc.stdout[-2000:]
     assert "sft step " not in proc.stdout  # the plain lines are only for non-terminals

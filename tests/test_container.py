@@ -282,7 +282,9 @@ def test_exit_code_propagates(test_image: str, tmp_path: Path) -> None:
     [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGTERM, True)],
     ids=["SIGINT", "SIGTERM", "SIGTERM-to-dvc-alone"],
 )
-def test_interrupt_stops_the_container(test_image: str, tmp_path: Path, sig: signal.Signals, to_parent: bool) -> None:
+def test_interrupt_stops_the_container(
+    test_image: str, tmp_path: Path, sig: signal.Signals, to_parent: bool
+) -> None:
     """Ctrl-C, SIGTERM from `dvc queue kill`/a batch system, or SIGTERM to a dvc-like parent
     that does not pass it on: the container stops too."""
     ws = tmp_path / "ws"
@@ -303,9 +305,15 @@ def test_interrupt_stops_the_container(test_image: str, tmp_path: Path, sig: sig
     argv = [sys.executable, "-c", script]
     log = tmp_path / "launcher.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([*DVC_LIKE_PARENT, *argv] if to_parent else argv, cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                   preexec_fn=with_default_sigint)
+        proc = subprocess.Popen(
+            [*DVC_LIKE_PARENT, *argv] if to_parent else argv,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            preexec_fn=with_default_sigint,
+        )
     try:
         deadline = time.monotonic() + 120
         while not _names(name):

@@ -36,8 +36,9 @@ def dpo_run(trained_sft: Path, tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_dpo_raises_preference_accuracy_and_margin(dpo_run: Path):
     plots = dpo_run / "results" / "dpo" / "plots" / "metrics" / "val"
-    accuracy, margin, kl = (tsv(plots / f"{m}.tsv") for m in ("preference_accuracy", "reward_margin",
-                                                             "kl_to_reference"))
+    accuracy, margin, kl = (
+        tsv(plots / f"{m}.tsv") for m in ("preference_accuracy", "reward_margin", "kl_to_reference")
+    )
     # At step 0 the policy is the reference: every implicit reward is exactly 0.
     assert accuracy[0] == (0, 0.0) and margin[0][1] == pytest.approx(0.0, abs=1e-6)
     assert kl[0][1] == pytest.approx(0.0, abs=1e-6)
@@ -87,10 +88,25 @@ def test_validation_rewards_match_trls_own(dpo_run: Path, tmp_path: Path):
     pairs = training.preference_pairs(rows)
     ours = preference_metrics(policy, reference, tokenizer, pairs, beta=0.1, average_log_probs=False)
 
-    args = DPOConfig(output_dir=str(tmp_path), beta=0.1, per_device_eval_batch_size=32, use_cpu=True, bf16=False,
-                     gradient_checkpointing=False, report_to=[], disable_tqdm=True, max_length=64)
-    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=Dataset.from_list(pairs),
-                         eval_dataset=Dataset.from_list(pairs), processing_class=tokenizer)
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        beta=0.1,
+        per_device_eval_batch_size=32,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to=[],
+        disable_tqdm=True,
+        max_length=64,
+    )
+    trainer = DPOTrainer(
+        model=policy,
+        ref_model=reference,
+        args=args,
+        train_dataset=Dataset.from_list(pairs),
+        eval_dataset=Dataset.from_list(pairs),
+        processing_class=tokenizer,
+    )
     theirs = trainer.evaluate()
     assert ours["val_reward_margin"] == pytest.approx(theirs["eval_rewards/margins"], rel=1e-3, abs=1e-4)
     assert ours["val_chosen_reward"] == pytest.approx(theirs["eval_rewards/chosen"], rel=1e-3, abs=1e-4)

@@ -141,7 +141,9 @@ def test_evaluate_compares_policies_on_shared_samples(trained_sft: Path, tmp_pat
     torch.set_num_threads(sft_config["alignpipe"]["torch_threads"])
     model, tok = load_policy(root / "models/sft")
     rows = [json.loads(line) for line in (root / metrics["heldout"]["data_path"]).read_text().splitlines()]
-    settings = yaml.safe_load((root / "results/evaluate/resolved_config.yaml").read_text())["alignpipe"]["heldout"]
+    settings = yaml.safe_load((root / "results/evaluate/resolved_config.yaml").read_text())["alignpipe"][
+        "heldout"
+    ]
     assert heldout_completions(model, tok, rows, settings) == [p["completion"] for p in published]
 
     report = (out / "report.md").read_text()

@@ -31,13 +31,23 @@ def context(stage: str, knobs: dict | None = None):
 
 
 def test_grpo_keys_map_to_trl_arguments(tmp_path):
-    ctx = context("rlvr", {
-        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 7},
-        "policy": {"train_global_batch_size": 8, "train_micro_batch_size": 4,
-                   "generation": {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 9}},
-        "loss_fn": {"reference_policy_kl_penalty": 0.05, "ratio_clip_min": 0.1, "ratio_clip_max": 0.3,
-                    "token_level_loss": False},
-    })
+    ctx = context(
+        "rlvr",
+        {
+            "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 7},
+            "policy": {
+                "train_global_batch_size": 8,
+                "train_micro_batch_size": 4,
+                "generation": {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 9},
+            },
+            "loss_fn": {
+                "reference_policy_kl_penalty": 0.05,
+                "ratio_clip_min": 0.1,
+                "ratio_clip_max": 0.3,
+                "token_level_loss": False,
+            },
+        },
+    )
     args = grpo.grpo_args(ctx, tmp_path)
     assert args["num_generations"] == 4
     assert args["generation_batch_size"] == 16  # 4 prompts x 4 generations per GRPO step
@@ -49,18 +59,26 @@ def test_grpo_keys_map_to_trl_arguments(tmp_path):
 
 
 def test_rollouts_must_fill_whole_optimizer_steps(tmp_path):
-    ctx = context("rlvr", {"grpo": {"num_prompts_per_step": 3, "num_generations_per_prompt": 4},
-                           "policy": {"train_global_batch_size": 8, "train_micro_batch_size": 8}})
+    ctx = context(
+        "rlvr",
+        {
+            "grpo": {"num_prompts_per_step": 3, "num_generations_per_prompt": 4},
+            "policy": {"train_global_batch_size": 8, "train_micro_batch_size": 8},
+        },
+    )
     with pytest.raises(UnsupportedSetting, match="multiple of policy.train_global_batch_size"):
         grpo.grpo_args(ctx, tmp_path)
 
 
-@pytest.mark.parametrize("knobs, needle", [
-    ({"policy": {"generation": {"backend": "vllm"}}}, "policy.generation.backend='vllm'"),
-    ({"loss_fn": {"use_kl_in_reward": True}}, "loss_fn.use_kl_in_reward"),
-    ({"grpo": {"use_dynamic_sampling": True}}, "grpo.use_dynamic_sampling"),
-    ({"loss_fn": {"reference_policy_kl_type": "k1"}}, "k3"),
-])
+@pytest.mark.parametrize(
+    "knobs, needle",
+    [
+        ({"policy": {"generation": {"backend": "vllm"}}}, "policy.generation.backend='vllm'"),
+        ({"loss_fn": {"use_kl_in_reward": True}}, "loss_fn.use_kl_in_reward"),
+        ({"grpo": {"use_dynamic_sampling": True}}, "grpo.use_dynamic_sampling"),
+        ({"loss_fn": {"reference_policy_kl_type": "k1"}}, "k3"),
+    ],
+)
 def test_settings_the_local_engine_cannot_honour_are_refused(knobs, needle):
     with pytest.raises(UnsupportedSetting) as err:
         grpo.refuse_unsupported_grpo(context("rlvr", knobs))
@@ -97,8 +115,14 @@ def test_reward_fn_reads_conversational_rollouts_and_keeps_unknowns_as_nan():
     fn = grpo.RewardFn(score, name="verifier")
     prompts = [[{"role": "user", "content": "sort:321"}]] * 2
     completions = [[{"role": "assistant", "content": "123"}], [{"role": "assistant", "content": "x"}]]
-    out = fn(prompts, completions, [[5, 6, 7], [8]], answer=["123", "123"], verifier=["exact", "exact"],
-             log_metric=lambda name, value: logged.append((name, value)))
+    out = fn(
+        prompts,
+        completions,
+        [[5, 6, 7], [8]],
+        answer=["123", "123"],
+        verifier=["exact", "exact"],
+        log_metric=lambda name, value: logged.append((name, value)),
+    )
     assert out == [1.0, None]
     assert seen["texts"] == ["123", "x"] and seen["num_tokens"] == [3, 1]
     assert seen["rows"][0] == {"prompt": "sort:321", "answer": "123", "verifier": "exact"}
@@ -115,7 +139,10 @@ def test_reward_scaling_clamps_then_maps_linearly():
 def test_rlvr_reward_is_the_verifier_then_shaping():
     from alignpipe.engines.local.rlvr import verifier_score
 
-    rows = [{"prompt": "add:2+2", "answer": "4", "verifier": "numeric"}, {"prompt": "sort:21", "answer": "12"}]
+    rows = [
+        {"prompt": "add:2+2", "answer": "4", "verifier": "numeric"},
+        {"prompt": "sort:21", "answer": "12"},
+    ]
     logged = {}
     score = verifier_score({"format_penalty": 0.5, "clip": [-0.25, None]})
     out = score(rows, ["4.0", " "], [2, 1], lambda k, v: logged.__setitem__(k, v))
@@ -164,8 +191,13 @@ def test_trainer_replaces_trl_advantages_with_nemo_rl_ones(monkeypatch, loo, nor
     got = trainer._generate_and_score_completions(None)["advantages"]
 
     r = torch.tensor(rewards)
-    want = compute_grpo_advantages(torch.nan_to_num(r), 4, valid_mask=~torch.isnan(r),
-                                   normalize_rewards=normalize, leave_one_out_baseline=loo)
+    want = compute_grpo_advantages(
+        torch.nan_to_num(r),
+        4,
+        valid_mask=~torch.isnan(r),
+        normalize_rewards=normalize,
+        leave_one_out_baseline=loo,
+    )
     want[7] = 0.0  # unknown reward: no signal
     assert torch.allclose(got, want)
     # Hand check, LOO without normalisation: [1,0,0,0] -> 1 - 0 = 1 and 0 - 1/3.
@@ -181,12 +213,28 @@ def test_trainer_replaces_trl_advantages_with_nemo_rl_ones(monkeypatch, loo, nor
 @pytest.mark.parametrize("stage", ["rlvr", "rlhf"])
 def test_rename_table_covers_the_operator_metrics(stage):
     table = local_keys(stage)
-    for required in ("train/reward_mean", "train/reward_std", "train/frac_zero_std_groups", "train/kl",
-                     "train/response_length_mean", "train/truncated_fraction", "train/entropy", "train/loss"):
+    for required in (
+        "train/reward_mean",
+        "train/reward_std",
+        "train/frac_zero_std_groups",
+        "train/kl",
+        "train/response_length_mean",
+        "train/truncated_fraction",
+        "train/entropy",
+        "train/loss",
+    ):
         assert required in table.values()
     # The TRL 1.16 keys these come from.
-    for trl_key in ("reward", "reward_std", "frac_reward_zero_std", "kl", "completions/mean_length",
-                    "completions/clipped_ratio", "entropy", "loss"):
+    for trl_key in (
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "kl",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "entropy",
+        "loss",
+    ):
         assert trl_key in table
 
 
@@ -227,8 +275,9 @@ def test_judge_pairwise_mode_compares_with_the_group_anchor_in_both_orders():
         # parseable one; (3 vs 2): "A." then "B" -> wins both; pair (5 vs 4): unparseable twice.
         return ["A", "B", "B", "?", "A.", "B", "none", "maybe"]
 
-    rewards, fail = judge.judge_rewards(cfg, fake, ["p0", "p0", "p0", "p1", "p1", "p1"][:6],
-                                        ["x", "y", "z", "u", "v", "w"], group_size=3)
+    rewards, fail = judge.judge_rewards(
+        cfg, fake, ["p0", "p0", "p0", "p1", "p1", "p1"][:6], ["x", "y", "z", "u", "v", "w"], group_size=3
+    )
     # groups: [0,1,2] anchor 0 and [3,4,5] anchor 3
     assert len(asked) == 8
     assert "A:y" in asked[0] and "B:x" in asked[0] and "A:x" in asked[1] and "B:y" in asked[1]

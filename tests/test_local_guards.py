@@ -13,7 +13,9 @@ from alignpipe.errors import UnsupportedSetting
 from tests.conftest import copy_repo, run_cli, set_params
 
 # Every guarded setting, switched on.
-ALL_GUARDED = [(key, on) for key, on, _ in training._GPU_ONLY] + [(key, 2) for key, _ in training._MUST_BE_ONE]
+ALL_GUARDED = [(key, on) for key, on, _ in training._GPU_ONLY] + [
+    (key, 2) for key, _ in training._MUST_BE_ONE
+]
 
 
 def nested(dotted: str, value) -> dict:

@@ -27,7 +27,10 @@ LOCAL_ONLY = {
              "train/verifier_accuracy", "train/rm_score", "train/judge_parse_fail_fraction",
              "val/verifier_accuracy", "val/rm_score"},
 }  # fmt: skip
-NEMO_RL_ONLY = {"dpo": {"train/preference_loss", "train/sft_loss"}, "rm": {"train/chosen_reward", "train/rejected_reward"}}
+NEMO_RL_ONLY = {
+    "dpo": {"train/preference_loss", "train/sft_loss"},
+    "rm": {"train/chosen_reward", "train/rejected_reward"},
+}
 
 
 @pytest.mark.parametrize("stage", list(VOCABULARY))
@@ -56,7 +59,9 @@ def test_the_plots_dvc_yaml_compares_read_names_both_engines_publish() -> None:
 def test_every_nemo_rl_tag_is_one_upstream_logs(nemo_rl_src: Path) -> None:
     """Each tag's key appears as a logged metric key in NeMo-RL's algorithms, loss functions or rollouts."""
     source = "\n".join(
-        p.read_text() for d in ("algorithms", "experience", "environments") for p in (nemo_rl_src / "nemo_rl" / d).rglob("*.py")
+        p.read_text()
+        for d in ("algorithms", "experience", "environments")
+        for p in (nemo_rl_src / "nemo_rl" / d).rglob("*.py")
     )
     for stage in VOCABULARY:
         for tag in nemo_rl_tags(stage):
@@ -71,10 +76,15 @@ def test_nemo_rl_dpo_rewards_are_put_on_trls_scale() -> None:
     rewards/* are beta * log-ratio. The importer multiplies by the run's beta."""
     from alignpipe.engines.nemo_rl.metrics import map_scalars
 
-    scalars = {"train/rewards_chosen_mean": {1: 2.0}, "validation-default/rewards_rejected_mean": {1: -4.0},
-               "train/accuracy": {1: 0.5}}
+    scalars = {
+        "train/rewards_chosen_mean": {1: 2.0},
+        "validation-default/rewards_rejected_mean": {1: -4.0},
+        "train/accuracy": {1: 0.5},
+    }
     mapped = map_scalars("dpo", scalars, {"dpo": {"reference_policy_kl_penalty": 0.1}})
     assert mapped["train/chosen_reward"] == {1: pytest.approx(0.2)}
     assert mapped["val/rejected_reward"] == {1: pytest.approx(-0.4)}
     assert mapped["train/preference_accuracy"] == {1: 0.5}  # unscaled
-    assert map_scalars("rm", {"validation-default/rewards_chosen_mean": {1: 2.0}})["val/chosen_reward"] == {1: 2.0}
+    assert map_scalars("rm", {"validation-default/rewards_chosen_mean": {1: 2.0}})["val/chosen_reward"] == {
+        1: 2.0
+    }

@@ -65,7 +65,9 @@ EXPECTED_SERVERS = {
 @pytest.mark.parametrize("stage", ["rlvr", "rlhf"])
 def test_nemo_gym_config_resolves_with_gyms_own_parser(stage, gym_python, rendered):
     with rendered[stage].open() as f:
-        proc = subprocess.run([str(gym_python), str(PROBE)], stdin=f, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [str(gym_python), str(PROBE)], stdin=f, capture_output=True, text=True, timeout=300
+        )
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"], result.get("error", "") + "\n" + result.get("trace", "") + proc.stderr[-2000:]
     assert {s["instance"]: s["config_class"] for s in result["servers"]} == EXPECTED_SERVERS[stage]

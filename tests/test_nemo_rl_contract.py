@@ -52,7 +52,9 @@ def _checker(schema_python: Path, *args: str) -> dict:
 @pytest.mark.parametrize(
     "fmt, script", [(CV.DCP, CV.DCP_TO_HF), (CV.MEGATRON, CV.MEGATRON_TO_HF)], ids=["dcp", "megatron"]
 )
-def test_converter_commands_pass_the_converters_own_parsers(fmt, script, nemo_rl_src, schema_python, tmp_path):
+def test_converter_commands_pass_the_converters_own_parsers(
+    fmt, script, nemo_rl_src, schema_python, tmp_path
+):
     (tmp_path / "step_3" / "policy" / "weights" / "iter_0000000").mkdir(parents=True)  # as NeMo-RL writes it
     argv = CV.converter_argv(tmp_path / "step_3", fmt, tmp_path / "hf", hf_model_name="org/model")
     assert argv[1] == script
@@ -80,7 +82,9 @@ def test_megatron_converter_runs_in_the_images_megatron_venv(nemo_rl_src: Path, 
     [("sft.yaml", "run_sft.py"), ("dpo.yaml", "run_dpo.py"), ("rm.yaml", "run_rm.py"),
      ("grpo_math_1B.yaml", "run_grpo.py"), ("grpo_math_8B_megatron.yaml", "run_grpo.py")],
 )  # fmt: skip
-def test_upstreams_own_example_configs_pass_with_no_algorithm_key_flagged(config, entry, nemo_rl_src, schema_python):
+def test_upstreams_own_example_configs_pass_with_no_algorithm_key_flagged(
+    config, entry, nemo_rl_src, schema_python
+):
     """The unknown-key rule is no stricter than NeMo-RL: its own examples raise no error."""
     result = _checker(schema_python, "config", "--src", str(nemo_rl_src), "--entry",
                       f"examples/{entry}", "--config", str(nemo_rl_src / "examples" / "configs" / config))  # fmt: skip
@@ -110,7 +114,9 @@ def test_plan_check_names_a_wrong_type(default_profile_repo: Path) -> None:
     assert "fix params.yaml rlvr.grpo.max_num_steps" in proc.stderr
 
 
-def test_plan_check_names_a_misspelled_optional_key_and_suggests_the_right_one(default_profile_repo: Path) -> None:
+def test_plan_check_names_a_misspelled_optional_key_and_suggests_the_right_one(
+    default_profile_repo: Path,
+) -> None:
     # In params.yaml, alignpipe's own knob check already refuses it, with the suggestion.
     set_params(default_profile_repo, {"rlvr": {"grpo": {"overlong_filterng": True}}})
     proc = run_cli(default_profile_repo, "plan", "rlvr", "--profile", "default", "--check", check=False)

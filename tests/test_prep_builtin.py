@@ -100,7 +100,10 @@ def test_boxed_style_asks_in_words_and_answers_in_a_box(tmp_path):
         assert {s: len(data[fam][s]) for s in SPLITS} == COUNTS[fam]
     rl = data["rlvr"]["test"][0]
     assert rl["prompt"].endswith("Put the final answer in \\boxed{}.") and rl["extract"] == "boxed"
-    assert score_completion(rl, f"\\boxed{{{rl['answer']}}}") == 1.0 and score_completion(rl, rl["answer"]) == 0.0
+    assert (
+        score_completion(rl, f"\\boxed{{{rl['answer']}}}") == 1.0
+        and score_completion(rl, rl["answer"]) == 0.0
+    )
     sft = data["sft"]["train"][0]["messages"]
     assert sft[1]["content"].startswith("\\boxed{") and "\\boxed{}" in sft[0]["content"]
     pair = data["preference"]["train"][0]
@@ -226,8 +229,10 @@ def test_degenerate_negatives_mix_in_off_distribution_rejections(tmp_path):
     prepare(cfg, Path.cwd(), out)
     rows = read_all(out)["preference"]["train"]
     degenerate = [
-        r for r in rows
-        if len(set(r["rejected"])) == 1 or r["rejected"] == "".join(c for c in r["prompt"].split(":")[1] if c.isdigit())
+        r
+        for r in rows
+        if len(set(r["rejected"])) == 1
+        or r["rejected"] == "".join(c for c in r["prompt"].split(":")[1] if c.isdigit())
     ]
     assert 0.3 < len(degenerate) / len(rows) < 0.75
     assert all(r["rejected"] != r["chosen"] for r in rows)

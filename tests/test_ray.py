@@ -104,16 +104,22 @@ WATCHER = textwrap.dedent(
 
 @pytest.mark.ray
 @pytest.mark.parametrize("to_parent", [False, True], ids=["SIGTERM", "SIGTERM-to-dvc-alone"])
-def test_interrupting_the_stage_stops_the_job(ray_cluster: RayCluster, tmp_path: Path, to_parent: bool) -> None:
+def test_interrupting_the_stage_stops_the_job(
+    ray_cluster: RayCluster, tmp_path: Path, to_parent: bool
+) -> None:
     """SIGTERM (what `dvc queue kill` and batch systems send), to the stage or to a dvc-like
     parent that does not pass it on."""
     log = tmp_path / "watcher.log"
     client = ray_cluster.client()
     argv = [sys.executable, "-c", WATCHER, str(tmp_path), ray_cluster.address]
     with log.open("w") as f:
-        watcher = subprocess.Popen([*DVC_LIKE_PARENT, *argv] if to_parent else argv, stdout=f,
-                                   stderr=subprocess.STDOUT, start_new_session=True,
-                                   preexec_fn=with_default_sigint)
+        watcher = subprocess.Popen(
+            [*DVC_LIKE_PARENT, *argv] if to_parent else argv,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=with_default_sigint,
+        )
     try:
         found: dict[str, str] = {}
 
@@ -128,8 +134,12 @@ def test_interrupting_the_stage_stops_the_job(ray_cluster: RayCluster, tmp_path:
         wait_until(running, 90, "the sleep job running")
         watcher.send_signal(signal.SIGTERM)
         watcher.wait(timeout=90)
-        wait_until(lambda: f"stopping Ray job {found['id']}" in log.read_text(), 30, "the stage stopping the job")
-        wait_until(lambda: str(client.get_job_status(found["id"])) == "STOPPED", 30, "the job showing STOPPED")
+        wait_until(
+            lambda: f"stopping Ray job {found['id']}" in log.read_text(), 30, "the stage stopping the job"
+        )
+        wait_until(
+            lambda: str(client.get_job_status(found["id"])) == "STOPPED", 30, "the job showing STOPPED"
+        )
     finally:
         if watcher.poll() is None:
             watcher.kill()

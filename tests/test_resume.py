@@ -103,7 +103,9 @@ def test_killed_stage_resumes_to_the_uninterrupted_weights(stage, trained_sft, w
         assert "resuming from" in resumed.stdout, resumed.stdout
         assert md5_file(root / weights) == expected, f"{stage} resumed after its {which} checkpoint differs"
         assert _results(root, stage) == _results(straight, stage), f"{stage}: metrics or curves differ"
-        assert not list(Path(env["ALIGNPIPE_SCRATCH"]).glob(f"repo/{stage}/*")), "scratch is removed after publishing"
+        assert not list(Path(env["ALIGNPIPE_SCRATCH"]).glob(f"repo/{stage}/*")), (
+            "scratch is removed after publishing"
+        )
 
 
 def _results(root: Path, stage: str) -> dict[str, str]:

@@ -17,8 +17,11 @@ pytestmark = pytest.mark.slow
 # dense one, which GRPO must learn within a few steps: shorter answers, higher reward.
 FAST_RLVR = {
     "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 4, "max_num_steps": 14},
-    "policy": {"train_global_batch_size": 32, "train_micro_batch_size": 32,
-               "optimizer": {"kwargs": {"lr": 2.0e-3}}},
+    "policy": {
+        "train_global_batch_size": 32,
+        "train_micro_batch_size": 32,
+        "optimizer": {"kwargs": {"lr": 2.0e-3}},
+    },
     "loss_fn": {"reference_policy_kl_penalty": 0.01},
     "alignpipe": {"reward_shaping": {"length_penalty": 0.25, "target_length": 1, "length_unit": "tokens"}},
 }
@@ -53,8 +56,17 @@ def test_training_raises_reward_and_moves_away_from_sft(rlvr_repo):
 
 def test_metrics_json_has_every_operator_metric(rlvr_repo):
     metrics = json.loads((rlvr_repo / "results/rlvr/metrics.json").read_text())
-    for key in ("reward_mean", "reward_std", "frac_zero_std_groups", "kl", "response_length_mean",
-                "truncated_fraction", "entropy", "loss", "verifier_accuracy"):
+    for key in (
+        "reward_mean",
+        "reward_std",
+        "frac_zero_std_groups",
+        "kl",
+        "response_length_mean",
+        "truncated_fraction",
+        "entropy",
+        "loss",
+        "verifier_accuracy",
+    ):
         assert isinstance(metrics["train"][key], float), key
     assert 0.0 <= metrics["train"]["frac_zero_std_groups"] <= 1.0
     held = metrics["heldout"]

@@ -19,12 +19,16 @@ from tests.conftest import run_cli, set_params, writable_copy
 # the sort pairs alone (sortedness is checkable locally) 100 small steps take it from ~0.5 to
 # ~0.75 (measured), which is what this test needs to see: learning, quickly.
 SORT_DATA = "rm-test-data"
-FAST_RM = {"rm": {
-    "rm": {"max_num_steps": 100, "max_num_epochs": 10, "val_period": 50},
-    "data": {"train": {"data_path": f"{SORT_DATA}/train.jsonl"},
-             "validation": {"data_path": f"{SORT_DATA}/validation.jsonl"}},
-    "policy": {"train_global_batch_size": 32, "train_micro_batch_size": 32},
-}}
+FAST_RM = {
+    "rm": {
+        "rm": {"max_num_steps": 100, "max_num_epochs": 10, "val_period": 50},
+        "data": {
+            "train": {"data_path": f"{SORT_DATA}/train.jsonl"},
+            "validation": {"data_path": f"{SORT_DATA}/validation.jsonl"},
+        },
+        "policy": {"train_global_batch_size": 32, "train_micro_batch_size": 32},
+    }
+}
 
 
 def sort_pairs(root: Path) -> None:
@@ -33,7 +37,9 @@ def sort_pairs(root: Path) -> None:
     out.mkdir(exist_ok=True)
     for split in ("train", "validation"):
         rows = read_jsonl(root / f"data/prepared/preference/{split}.jsonl")
-        (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["task"] == "sort"))
+        (out / f"{split}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows if r["task"] == "sort")
+        )
 
 
 def tsv(path: Path) -> list[tuple[int, float]]:

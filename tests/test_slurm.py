@@ -136,9 +136,13 @@ def test_interrupting_the_stage_cancels_the_job(
     log = tmp_path / "watcher.log"
     argv = [sys.executable, "-c", WATCHER, str(tmp_path)]
     with log.open("w") as f:
-        watcher = subprocess.Popen([*DVC_LIKE_PARENT, *argv] if to_parent else argv, stdout=f,
-                                   stderr=subprocess.STDOUT, start_new_session=True,
-                                   preexec_fn=with_default_sigint)
+        watcher = subprocess.Popen(
+            [*DVC_LIKE_PARENT, *argv] if to_parent else argv,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=with_default_sigint,
+        )
     try:
         found: dict[str, str] = {}
 
@@ -153,7 +157,9 @@ def test_interrupting_the_stage_cancels_the_job(
         wait_until(running, 60, "the sleep job running")
         watcher.send_signal(sig)
         watcher.wait(timeout=90)
-        wait_until(lambda: f"cancelling slurm job {found['id']}" in log.read_text(), 30, "the stage cancelling")
+        wait_until(
+            lambda: f"cancelling slurm job {found['id']}" in log.read_text(), 30, "the stage cancelling"
+        )
         wait_until(lambda: slurm.job_state(found["id"]) == "CANCELLED", 30, "the job showing CANCELLED")
     finally:
         if watcher.poll() is None:

@@ -51,7 +51,9 @@ def small_run(smollm2_dir: Path, tmp_path_factory) -> Path:
     return root
 
 
-def test_the_export_carries_the_source_tokenizer_generation_config_and_lineage(small_run: Path, smollm2_dir: Path):
+def test_the_export_carries_the_source_tokenizer_generation_config_and_lineage(
+    small_run: Path, smollm2_dir: Path
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     export = small_run / "exports" / "rlvr"
@@ -63,11 +65,15 @@ def test_the_export_carries_the_source_tokenizer_generation_config_and_lineage(s
     source = json.loads((smollm2_dir / "generation_config.json").read_text())
     exported = json.loads((export / "generation_config.json").read_text())
     drop = {"transformers_version"}
-    assert {k: v for k, v in exported.items() if k not in drop} == {k: v for k, v in source.items() if k not in drop}
+    assert {k: v for k, v in exported.items() if k not in drop} == {
+        k: v for k, v in source.items() if k not in drop
+    }
 
     lineage = json.loads((export / "artifact.json").read_text())["source_model"]
     assert lineage["name"] == str(smollm2_dir.resolve()) and lineage["hash"] == dvc_hash(smollm2_dir)
-    assert f"`{smollm2_dir.resolve()}` DVC md5 `{dvc_hash(smollm2_dir)}`" in (export / "README.md").read_text()
+    assert (
+        f"`{smollm2_dir.resolve()}` DVC md5 `{dvc_hash(smollm2_dir)}`" in (export / "README.md").read_text()
+    )
 
 
 def test_rlvr_gets_a_reward_from_boxed_answers(small_run: Path):
@@ -76,9 +82,10 @@ def test_rlvr_gets_a_reward_from_boxed_answers(small_run: Path):
     assert rewards and max(rewards) > 0.0
     metrics = json.loads((small_run / "results" / "rlvr" / "metrics.json").read_text())
     # The SFT reference's held-out samples came with models/sft: one sampling per policy.
-    assert metrics["heldout"]["accuracy_reference"] == json.loads(
-        (small_run / "results" / "sft" / "metrics.json").read_text()
-    )["heldout"]["accuracy"]
+    assert (
+        metrics["heldout"]["accuracy_reference"]
+        == json.loads((small_run / "results" / "sft" / "metrics.json").read_text())["heldout"]["accuracy"]
+    )
 
 
 def test_a_model_without_a_pad_token_trains_through_sft(smollm2_dir: Path, tmp_path: Path):

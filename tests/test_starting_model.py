@@ -105,7 +105,9 @@ def test_a_hand_edited_model_name_without_its_dep_is_refused(repo_copy: Path, tm
     set_params(repo_copy, {"model": {"name": str(tmp_path / "my-model")}})
     result = run_cli(repo_copy, "run", "base", check=False)
     assert result.returncode == 2
-    assert "model.dep" in result.stderr and f"dvc exp run -S model.name={tmp_path / 'my-model'}" in result.stderr
+    assert (
+        "model.dep" in result.stderr and f"dvc exp run -S model.name={tmp_path / 'my-model'}" in result.stderr
+    )
 
 
 @pytest.mark.slow

@@ -6,8 +6,14 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from alignpipe import tiny
 
-MODEL_CFG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, max_position_embeddings=64)
+MODEL_CFG = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=64,
+)
 
 
 def test_char_tokenizer_round_trips_and_formats_chat():

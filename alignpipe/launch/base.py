@@ -37,11 +37,7 @@ def is_secret(name: str) -> bool:
 def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The subset of the environment a stage carries into its job."""
     environ = os.environ if environ is None else environ
-    return {
-        k: v
-        for k, v in environ.items()
-        if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES
-    }
+    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES}
 
 
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -28,25 +28,47 @@ _OPTIMIZER = (
     Metric("train/grad_norm", "grad_norm", ("train/grad_norm",), "gradient norm before clipping"),
     Metric("train/lr", "learning_rate", ("train/lr",), "learning rate"),
 )
+
+
 def _pairs(scale: str | None) -> tuple[Metric, ...]:
     """Preference-pair metrics: dpo's implicit reward, rm's score. NeMo-RL logs DPO's rewards as
     log-ratios before beta, TRL as beta * log-ratio: ``scale`` names beta for dpo."""
     return (
         Metric("val/loss", "val_loss", ("validation-default/loss",), "validation loss"),
-        Metric("val/chosen_reward", "val_chosen_reward", ("validation-default/rewards_chosen_mean",),
-               "mean reward of chosen validation answers", scale),
-        Metric("val/rejected_reward", "val_rejected_reward", ("validation-default/rewards_rejected_mean",),
-               "mean reward of rejected validation answers", scale),
+        Metric(
+            "val/chosen_reward",
+            "val_chosen_reward",
+            ("validation-default/rewards_chosen_mean",),
+            "mean reward of chosen validation answers",
+            scale,
+        ),
+        Metric(
+            "val/rejected_reward",
+            "val_rejected_reward",
+            ("validation-default/rewards_rejected_mean",),
+            "mean reward of rejected validation answers",
+            scale,
+        ),
         Metric("val/reward_margin", "val_reward_margin", (), "chosen minus rejected reward (local only)"),
     )
 
 
 def _train_pair_rewards(chosen: str | None, rejected: str | None, scale: str | None) -> tuple[Metric, ...]:
     return (
-        Metric("train/chosen_reward", chosen, ("train/rewards_chosen_mean",), "mean reward of chosen answers",
-               scale),
-        Metric("train/rejected_reward", rejected, ("train/rewards_rejected_mean",),
-               "mean reward of rejected answers", scale),
+        Metric(
+            "train/chosen_reward",
+            chosen,
+            ("train/rewards_chosen_mean",),
+            "mean reward of chosen answers",
+            scale,
+        ),
+        Metric(
+            "train/rejected_reward",
+            rejected,
+            ("train/rewards_rejected_mean",),
+            "mean reward of rejected answers",
+            scale,
+        ),
     )
 
 
@@ -57,16 +79,30 @@ _GRPO = (
     Metric("train/reward_mean", "reward", ("train/reward",), "mean reward of the step's rollouts"),
     Metric("train/kl", "kl", ("train/kl_penalty",), "KL estimate to the reference, before its coefficient"),
     Metric("train/entropy", "entropy", ("train/approx_entropy",), "policy entropy of sampled tokens"),
-    Metric("train/response_length_mean", "completions/mean_length", ("train/mean_gen_tokens_per_sample",),
-           "mean generated tokens per answer"),
-    Metric("train/truncated_fraction", "completions/clipped_ratio", ("train/truncation_rate",),
-           "answers cut by the generation cap"),
-    Metric("val/response_length_mean", "eval_completions/mean_length", ("validation/avg_length",),
-           "mean generated tokens per validation answer"),
+    Metric(
+        "train/response_length_mean",
+        "completions/mean_length",
+        ("train/mean_gen_tokens_per_sample",),
+        "mean generated tokens per answer",
+    ),
+    Metric(
+        "train/truncated_fraction",
+        "completions/clipped_ratio",
+        ("train/truncation_rate",),
+        "answers cut by the generation cap",
+    ),
+    Metric(
+        "val/response_length_mean",
+        "eval_completions/mean_length",
+        ("validation/avg_length",),
+        "mean generated tokens per validation answer",
+    ),
     # TRL-only diagnostics (NeMo-RL logs no per-group variance or clip fraction under these meanings)
     Metric("train/reward_std", "reward_std", (), "reward std within the step (local only)"),
     Metric("train/frac_zero_std_groups", "frac_reward_zero_std", (), "groups with one reward (local only)"),
-    Metric("train/clip_fraction", "clip_ratio/region_mean", (), "tokens whose ratio was clipped (local only)"),
+    Metric(
+        "train/clip_fraction", "clip_ratio/region_mean", (), "tokens whose ratio was clipped (local only)"
+    ),
     Metric("val/reward_std", "eval_reward_std", (), "validation reward std (local only)"),
 )
 # NeMo-RL's validation/accuracy is the mean validation reward: the verifier's for rlvr, the RM's
@@ -78,46 +114,84 @@ VOCABULARY: dict[str, tuple[Metric, ...]] = {
         *_OPTIMIZER,
         Metric("val/loss", "eval_loss", ("validation/val_loss",), "validation loss"),
         Metric("train/token_accuracy", "mean_token_accuracy", (), "next-token accuracy (TRL only)"),
-        Metric("val/token_accuracy", "eval_mean_token_accuracy", (), "validation next-token accuracy (TRL only)"),
+        Metric(
+            "val/token_accuracy", "eval_mean_token_accuracy", (), "validation next-token accuracy (TRL only)"
+        ),
     ),
     "dpo": (
         *_OPTIMIZER,
         *_pairs(_DPO_BETA),
         *_train_pair_rewards("rewards/chosen", "rewards/rejected", _DPO_BETA),
-        Metric("train/preference_accuracy", "rewards/accuracies", ("train/accuracy",), "chosen reward > rejected"),
-        Metric("val/preference_accuracy", "val_preference_accuracy", ("validation-default/accuracy",),
-               "chosen reward > rejected on validation pairs"),
-        Metric("train/reward_margin", "rewards/margins", (), "chosen minus rejected implicit reward (TRL only)"),
-        Metric("train/preference_loss", None, ("train/preference_loss",), "the DPO term of the loss (NeMo-RL only)"),
+        Metric(
+            "train/preference_accuracy", "rewards/accuracies", ("train/accuracy",), "chosen reward > rejected"
+        ),
+        Metric(
+            "val/preference_accuracy",
+            "val_preference_accuracy",
+            ("validation-default/accuracy",),
+            "chosen reward > rejected on validation pairs",
+        ),
+        Metric(
+            "train/reward_margin", "rewards/margins", (), "chosen minus rejected implicit reward (TRL only)"
+        ),
+        Metric(
+            "train/preference_loss",
+            None,
+            ("train/preference_loss",),
+            "the DPO term of the loss (NeMo-RL only)",
+        ),
         Metric("train/sft_loss", None, ("train/sft_loss",), "the SFT term of the loss (NeMo-RL only)"),
-        Metric("val/kl_to_reference", "val_kl_to_reference", (), "exact KL on validation answers (local only)"),
+        Metric(
+            "val/kl_to_reference", "val_kl_to_reference", (), "exact KL on validation answers (local only)"
+        ),
     ),
     "rm": (
         *_OPTIMIZER,
         *_pairs(None),
         *_train_pair_rewards(None, None, None),  # TRL's RewardTrainer logs mean_reward, not per side
         Metric("train/pairwise_accuracy", "accuracy", ("train/accuracy",), "chosen score > rejected"),
-        Metric("val/pairwise_accuracy", "val_pairwise_accuracy", ("validation-default/accuracy",),
-               "chosen score > rejected on validation pairs"),
+        Metric(
+            "val/pairwise_accuracy",
+            "val_pairwise_accuracy",
+            ("validation-default/accuracy",),
+            "chosen score > rejected on validation pairs",
+        ),
         Metric("train/reward_margin", "margin", (), "chosen minus rejected score (TRL only)"),
     ),
     "rlvr": (
         *_OPTIMIZER,
         *_GRPO,
-        Metric("val/verifier_accuracy", "eval_verifier_accuracy", _VALIDATION_REWARD,
-               "verifier accuracy of validation answers"),
-        Metric("train/verifier_accuracy", "verifier_accuracy", (), "verifier accuracy of rollouts (local only)"),
+        Metric(
+            "val/verifier_accuracy",
+            "eval_verifier_accuracy",
+            _VALIDATION_REWARD,
+            "verifier accuracy of validation answers",
+        ),
+        Metric(
+            "train/verifier_accuracy", "verifier_accuracy", (), "verifier accuracy of rollouts (local only)"
+        ),
         Metric("val/reward_mean", "eval_reward", (), "mean shaped validation reward (local only)"),
     ),
     "rlhf": (
         *_OPTIMIZER,
         *_GRPO,
         Metric("val/reward_mean", "eval_reward", _VALIDATION_REWARD, "mean reward-model (or judge) score"),
-        Metric("train/verifier_accuracy", "verifier_accuracy", (), "verifier accuracy of rollouts (local only)"),
+        Metric(
+            "train/verifier_accuracy", "verifier_accuracy", (), "verifier accuracy of rollouts (local only)"
+        ),
         Metric("train/rm_score", "rm_score", (), "raw reward-model score of rollouts (local only)"),
-        Metric("train/judge_parse_fail_fraction", "judge_parse_fail_fraction", (),
-               "judge verdicts that did not parse (local only)"),
-        Metric("val/verifier_accuracy", "eval_verifier_accuracy", (), "verifier accuracy on validation (local only)"),
+        Metric(
+            "train/judge_parse_fail_fraction",
+            "judge_parse_fail_fraction",
+            (),
+            "judge verdicts that did not parse (local only)",
+        ),
+        Metric(
+            "val/verifier_accuracy",
+            "eval_verifier_accuracy",
+            (),
+            "verifier accuracy on validation (local only)",
+        ),
         Metric("val/rm_score", "eval_rm_score", (), "raw reward-model score on validation (local only)"),
     ),
 }

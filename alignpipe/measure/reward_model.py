@@ -14,7 +14,9 @@ class RewardModelScorer:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype=LOCAL_DTYPE)
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            path, local_files_only=True, dtype=LOCAL_DTYPE
+        )
         self.model.eval()
         if self.model.config.pad_token_id is None:
             # The head reads the last non-pad token; it must know which id is padding.

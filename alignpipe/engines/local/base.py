@@ -64,7 +64,9 @@ def materialise(ctx: StageContext, source: SM.ModelSource) -> None:
             config = AutoConfig.from_pretrained(out, local_files_only=True)
             tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
         except Exception as e:
-            raise ConfigError(f"model.name {source.name}: transformers cannot load it ({type(e).__name__}: {e})") from e
+            raise ConfigError(
+                f"model.name {source.name}: transformers cannot load it ({type(e).__name__}: {e})"
+            ) from e
         if not tokenizer.chat_template:
             raise ConfigError(
                 f"model.name {source.name}: its tokenizer has no chat template, and every stage formats "
@@ -90,8 +92,19 @@ def build_tiny(ctx: StageContext) -> None:
     tokenizer = tiny.train_char_tokenizer(texts, min_frequency=cfg["tokenizer"].get("min_frequency", 1))
     model = tiny.build_causal_lm(tokenizer, cfg["model"], seed=ctx.seed)
     publish.publish_model(
-        ctx, "model", model, tokenizer, {"parameters": tiny.count_parameters(model), "vocab_size": len(tokenizer)},
-        source_model={"kind": "tiny", "name": "tiny (built offline from data/prepared and stages/base/config)"},
+        ctx,
+        "model",
+        model,
+        tokenizer,
+        {"parameters": tiny.count_parameters(model), "vocab_size": len(tokenizer)},
+        source_model={
+            "kind": "tiny",
+            "name": "tiny (built offline from data/prepared and stages/base/config)",
+        },
     )
-    console.outcome("base", {"parameters": f"{tiny.count_parameters(model):,}", "vocabulary": len(tokenizer)},
-                    ctx.output("model").relative_to(ctx.root), ctx.started)
+    console.outcome(
+        "base",
+        {"parameters": f"{tiny.count_parameters(model):,}", "vocabulary": len(tokenizer)},
+        ctx.output("model").relative_to(ctx.root),
+        ctx.started,
+    )

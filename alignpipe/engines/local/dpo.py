@@ -84,10 +84,12 @@ def pair_tensors(tokenizer, pairs: list[dict[str, Any]]):
     starts: list[int] = []
     for side in ("chosen", "rejected"):
         for pair in pairs:
-            prompt = tokenizer.apply_chat_template(pair["prompt"], tokenize=True, add_generation_prompt=True,
-                                                   return_dict=True)["input_ids"]
-            full = tokenizer.apply_chat_template(pair["prompt"] + pair[side], tokenize=True,
-                                                 return_dict=True)["input_ids"]
+            prompt = tokenizer.apply_chat_template(
+                pair["prompt"], tokenize=True, add_generation_prompt=True, return_dict=True
+            )["input_ids"]
+            full = tokenizer.apply_chat_template(
+                pair["prompt"] + pair[side], tokenize=True, return_dict=True
+            )["input_ids"]
             start = 0
             while start < min(len(prompt), len(full)) and prompt[start] == full[start]:
                 start += 1
@@ -97,7 +99,9 @@ def pair_tensors(tokenizer, pairs: list[dict[str, Any]]):
     pad = tokenizer.pad_token_id
     ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
     attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-    response = torch.tensor([[int(start <= i < len(s)) for i in range(width)] for s, start in zip(seqs, starts, strict=True)])
+    response = torch.tensor(
+        [[int(start <= i < len(s)) for i in range(width)] for s, start in zip(seqs, starts, strict=True)]
+    )
     return ids, attention, response
 
 
@@ -111,15 +115,25 @@ def response_stats(policy, reference, tokenizer, pairs: list[dict[str, Any]]):
     mask = response[:, 1:].float()  # position t predicts token t+1
     with torch.no_grad():
         logp = torch.log_softmax(policy(input_ids=ids, attention_mask=attention).logits[:, :-1].float(), -1)
-        logq = torch.log_softmax(reference(input_ids=ids, attention_mask=attention).logits[:, :-1].float(), -1)
+        logq = torch.log_softmax(
+            reference(input_ids=ids, attention_mask=attention).logits[:, :-1].float(), -1
+        )
     policy_lp = (logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask).sum(-1)
     ref_lp = (logq.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask).sum(-1)
     kl = ((logp.exp() * (logp - logq)).sum(-1) * mask).sum(-1)  # exact over the vocabulary
     return policy_lp, ref_lp, mask.sum(-1), kl
 
 
-def preference_metrics(policy, reference, tokenizer, pairs: list[dict[str, Any]], *, beta: float,
-                       average_log_probs: bool, batch_size: int = 64) -> dict[str, float]:
+def preference_metrics(
+    policy,
+    reference,
+    tokenizer,
+    pairs: list[dict[str, Any]],
+    *,
+    beta: float,
+    average_log_probs: bool,
+    batch_size: int = 64,
+) -> dict[str, float]:
     """How the policy's implicit reward ``beta * (log pi - log pi_ref)`` ranks held-out pairs.
 
     ``preference_accuracy``: fraction of pairs whose chosen response gets the strictly higher
@@ -174,14 +188,17 @@ def run(ctx: StageContext) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=LOCAL_DTYPE)
     # The reference is the same SFT policy, loaded separately and frozen.
-    reference = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=LOCAL_DTYPE).eval()
+    reference = AutoModelForCausalLM.from_pretrained(
+        model_path, local_files_only=True, dtype=LOCAL_DTYPE
+    ).eval()
     reference.requires_grad_(False)
 
     training.apply_torch_threads(ctx)
     trl_args = training.trl_common_args(ctx, "dpo", ctx.scratch_dir)
     # Validation is ours (the callback below), so the trainer never evaluates by itself.
-    trl_args.update(eval_strategy="no", eval_steps=None,
-                    max_steps=training.step_budget(ctx, "dpo", len(train_pairs)))
+    trl_args.update(
+        eval_strategy="no", eval_steps=None, max_steps=training.step_budget(ctx, "dpo", len(train_pairs))
+    )
     args = DPOConfig(
         **trl_args,
         **losses,
@@ -196,8 +213,15 @@ def run(ctx: StageContext) -> None:
         live,
         METRICS,
         int(get_path(cfg, "dpo.val_period", 0) or 0) if val_pairs else 0,
-        lambda m: preference_metrics(m, reference, tokenizer, val_pairs, beta=losses["beta"],
-                                     average_log_probs=average, batch_size=val_batch),
+        lambda m: preference_metrics(
+            m,
+            reference,
+            tokenizer,
+            val_pairs,
+            beta=losses["beta"],
+            average_log_probs=average,
+            batch_size=val_batch,
+        ),
         at_start=bool(val_pairs) and bool(get_path(cfg, "dpo.val_at_start", False)),
     )
     trainer = DPOTrainer(
@@ -217,7 +241,10 @@ def run(ctx: StageContext) -> None:
     training.clear_scratch(ctx)
     console.outcome(
         "dpo",
-        {"val/preference_accuracy": metrics.get("val/preference_accuracy"), "heldout/accuracy": heldout["accuracy"]},
+        {
+            "val/preference_accuracy": metrics.get("val/preference_accuracy"),
+            "heldout/accuracy": heldout["accuracy"],
+        },
         ctx.output("policy_out").relative_to(ctx.root),
         ctx.started,
     )

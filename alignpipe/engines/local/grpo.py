@@ -176,7 +176,9 @@ class ZeroRewardGuard:
                 f"  - answer format: {self.boxed_found}/{self.boxed_asked} completions contain the \\boxed{{}} "
                 f"answer their rows' verifier reads (extract: boxed); teach it in sft or ask for it in the prompt"
             )
-        lines.append(f"  - verifier(s): {', '.join(sorted(self.verifiers))}; e.g. {text[:80]!r} for answer {answer!r}")
+        lines.append(
+            f"  - verifier(s): {', '.join(sorted(self.verifiers))}; e.g. {text[:80]!r} for answer {answer!r}"
+        )
         lines.append(f"  (turn this check off with {self.stage}.alignpipe.zero_reward_batches=0)")
         return "\n".join(lines)
 

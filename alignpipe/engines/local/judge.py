@@ -50,13 +50,19 @@ class JudgeConfig:
         cfg = dict(cfg or {})
         unknown = set(cfg) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"alignpipe.judge: unknown option(s) {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
+            raise ValueError(
+                f"alignpipe.judge: unknown option(s) {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}"
+            )
         out = cls(**cfg)
         if out.mode not in ("score", "pairwise"):
             raise ValueError(f"alignpipe.judge.mode must be 'score' or 'pairwise', got {out.mode!r}")
         if out.score_max <= 0:
             raise ValueError("alignpipe.judge.score_max must be > 0")
-        needed = ("{prompt}", "{response}") if out.mode == "score" else ("{prompt}", "{response_a}", "{response_b}")
+        needed = (
+            ("{prompt}", "{response}")
+            if out.mode == "score"
+            else ("{prompt}", "{response_a}", "{response_b}")
+        )
         missing = [p for p in needed if p not in out.prompt_template]
         if missing:
             raise ValueError(f"alignpipe.judge.template for mode {out.mode!r} lacks {', '.join(missing)}")
@@ -99,8 +105,9 @@ def _fmt(x: float) -> str:
 Generate = Callable[[list[str]], list[str]]
 
 
-def judge_rewards(cfg: JudgeConfig, generate: Generate, prompts: list[str], responses: list[str],
-                  group_size: int) -> tuple[list[float | None], float]:
+def judge_rewards(
+    cfg: JudgeConfig, generate: Generate, prompts: list[str], responses: list[str], group_size: int
+) -> tuple[list[float | None], float]:
     """Rewards for ``responses`` (groups of ``group_size`` contiguous), and the unparseable fraction.
 
     ``generate(judge_prompts) -> replies`` runs the judge (greedy); it is injected so the
@@ -149,7 +156,13 @@ def load_judge(cfg: JudgeConfig, resolve: Callable[[str], str]) -> Generate:
     model.eval()
 
     def run(prompts: list[str]) -> list[str]:
-        return generate(model, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens, temperature=0.0,
-                        batch_size=cfg.batch_size)
+        return generate(
+            model,
+            tokenizer,
+            prompts,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=0.0,
+            batch_size=cfg.batch_size,
+        )
 
     return run

@@ -32,5 +32,9 @@ def run(ctx: StageContext) -> None:
     )
     ties = manifest["ties_dropped"]["total"]
     dropped = f"; {ties} preference tie(s) dropped (HelpSteer3 overall_preference 0)" if ties else ""
-    console.outcome("prep", {"train/validation/test rows": summary + dropped},
-                    ctx.output("prepared").relative_to(ctx.root), ctx.started)
+    console.outcome(
+        "prep",
+        {"train/validation/test rows": summary + dropped},
+        ctx.output("prepared").relative_to(ctx.root),
+        ctx.started,
+    )

@@ -114,7 +114,10 @@ def load_reward_model(path: str, tokenizer):
     )
     model.config.pad_token_id = tokenizer.pad_token_id
     # transformers' load report (in logs/rm.log) lists lm_head as unused and score as new: by design.
-    print(f"rm: reward head initialised on {os.path.relpath(path)} (expected: its lm_head is dropped)", flush=True)
+    print(
+        f"rm: reward head initialised on {os.path.relpath(path)} (expected: its lm_head is dropped)",
+        flush=True,
+    )
     return model
 
 
@@ -135,8 +138,9 @@ def run(ctx: StageContext) -> None:
     training.apply_torch_threads(ctx)
     trl_args = training.trl_common_args(ctx, "rm", ctx.scratch_dir)
     # Validation is ours (the callback below), so the trainer never evaluates by itself.
-    trl_args.update(eval_strategy="no", eval_steps=None,
-                    max_steps=training.step_budget(ctx, "rm", len(train_pairs)))
+    trl_args.update(
+        eval_strategy="no", eval_steps=None, max_steps=training.step_budget(ctx, "rm", len(train_pairs))
+    )
     # The score head is initialised randomly: seed it so a rerun builds the same head.
     set_seed(trl_args["seed"])
     model = load_reward_model(model_path, tokenizer)
@@ -165,8 +169,11 @@ def run(ctx: StageContext) -> None:
     model = training.train_then_validate(ctx, trainer, live, METRICS, validation, "rm", bool(val_pairs))
 
     metrics = live_log.close(ctx, live)
-    publish.publish_model(ctx, "reward_model", model, tokenizer, metrics,
-                         extra={"reward_model_type": "bradley_terry"})
+    publish.publish_model(
+        ctx, "reward_model", model, tokenizer, metrics, extra={"reward_model_type": "bradley_terry"}
+    )
     training.clear_scratch(ctx)
     acc = metrics.get("val/pairwise_accuracy")
-    console.outcome("rm", {"val/pairwise_accuracy": acc}, ctx.output("reward_model").relative_to(ctx.root), ctx.started)
+    console.outcome(
+        "rm", {"val/pairwise_accuracy": acc}, ctx.output("reward_model").relative_to(ctx.root), ctx.started
+    )

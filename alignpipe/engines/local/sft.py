@@ -44,7 +44,9 @@ def run(ctx: StageContext) -> None:
     training.apply_torch_threads(ctx)
     cfg = ctx.config
     model_path = resolve_model_path(ctx, cfg["policy"]["model_name"])
-    tokenizer_path = resolve_model_path(ctx, get_path(cfg, "policy.tokenizer.name", cfg["policy"]["model_name"]))
+    tokenizer_path = resolve_model_path(
+        ctx, get_path(cfg, "policy.tokenizer.name", cfg["policy"]["model_name"])
+    )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
     import_from = get_path(cfg, "alignpipe.import_checkpoint")
 
@@ -57,7 +59,9 @@ def run(ctx: StageContext) -> None:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(ctx, import_from), local_files_only=True)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=LOCAL_DTYPE)
-        train = Dataset.from_list(to_prompt_completion(read_jsonl(ctx.root / cfg["data"]["train"]["data_path"])))
+        train = Dataset.from_list(
+            to_prompt_completion(read_jsonl(ctx.root / cfg["data"]["train"]["data_path"]))
+        )
         val_path = get_path(cfg, "data.validation.data_path")
         val = Dataset.from_list(to_prompt_completion(read_jsonl(ctx.root / val_path))) if val_path else None
         if val is not None and get_path(cfg, "sft.val_batches"):
@@ -88,5 +92,9 @@ def run(ctx: StageContext) -> None:
     metrics = live_log.close(ctx, live)
     publish.publish_model(ctx, "policy", model, tokenizer, metrics, files=samples_file(samples))
     training.clear_scratch(ctx)
-    console.outcome("sft", {"heldout/accuracy": heldout["accuracy"]}, ctx.output("policy").relative_to(ctx.root),
-                    ctx.started)
+    console.outcome(
+        "sft",
+        {"heldout/accuracy": heldout["accuracy"]},
+        ctx.output("policy").relative_to(ctx.root),
+        ctx.started,
+    )

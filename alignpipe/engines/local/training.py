@@ -209,7 +209,9 @@ def show_progress(ctx: StageContext, trainer) -> None:
 
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(console.progress_callback(ctx.name, HEADLINE, console.raw_log_path(ctx.root, ctx.name)))
+    trainer.add_callback(
+        console.progress_callback(ctx.name, HEADLINE, console.raw_log_path(ctx.root, ctx.name))
+    )
 
 
 def restore_finished_run(trainer, checkpoint: Path) -> bool:
@@ -230,8 +232,9 @@ def restore_finished_run(trainer, checkpoint: Path) -> bool:
     return True
 
 
-def train_then_validate(ctx: StageContext, trainer, live, rename: dict[str, str], validation, algo: str,
-                        has_validation: bool):
+def train_then_validate(
+    ctx: StageContext, trainer, live, rename: dict[str, str], validation, algo: str, has_validation: bool
+):
     """``train_resumable``, then one last validation (``<algo>.val_at_end``) unless the last
     step already ran one; returns the trained model."""
     train_resumable(ctx, trainer, live, rename)
@@ -248,8 +251,12 @@ def clear_scratch(ctx: StageContext) -> None:
 # ----------------------------------------------------------------------------- data
 
 
-def preference_pairs(rows: list[dict[str, Any]], prompt_key: str = "prompt", chosen_key: str = "chosen",
-                     rejected_key: str = "rejected") -> list[dict[str, list[dict[str, str]]]]:
+def preference_pairs(
+    rows: list[dict[str, Any]],
+    prompt_key: str = "prompt",
+    chosen_key: str = "chosen",
+    rejected_key: str = "rejected",
+) -> list[dict[str, list[dict[str, str]]]]:
     """Prepared preference rows -> TRL's conversational preference format.
 
     Conversational, so the chat template wraps prompt and answers exactly as in SFT.
@@ -269,7 +276,9 @@ def preference_splits(ctx: StageContext, algo: str) -> tuple[list[dict], list[di
     """Train and validation pairs of a preference stage; validation capped at
     ``<algo>.val_batches x val_global_batch_size`` pairs (``-1``: all, as in NeMo-RL)."""
     cfg = ctx.config
-    keys = {f"{k}_key": get_path(cfg, f"data.default.{k}_key", k) or k for k in ("prompt", "chosen", "rejected")}
+    keys = {
+        f"{k}_key": get_path(cfg, f"data.default.{k}_key", k) or k for k in ("prompt", "chosen", "rejected")
+    }
     train = preference_pairs(read_jsonl(ctx.root / cfg["data"]["train"]["data_path"]), **keys)
     val_path = get_path(cfg, "data.validation.data_path")
     val = preference_pairs(read_jsonl(ctx.root / val_path), **keys) if val_path else []

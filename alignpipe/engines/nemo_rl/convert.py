@@ -85,7 +85,12 @@ MCORE_PYTHON = "python-MegatronPolicyWorker"
 
 
 def converter_argv(
-    checkpoint_dir: Path, fmt: str, out_dir: Path, *, python: str | None = None, hf_model_name: str | None = None
+    checkpoint_dir: Path,
+    fmt: str,
+    out_dir: Path,
+    *,
+    python: str | None = None,
+    hf_model_name: str | None = None,
 ) -> list[str]:
     """The command that writes ``out_dir`` as a Hugging Face model from ``checkpoint_dir`` (a step_N dir).
 

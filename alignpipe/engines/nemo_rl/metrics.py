@@ -78,7 +78,10 @@ def write_dvclive(
 
 
 def import_metrics(
-    stage: str, log_dir: Path, out_dir: Path, extra_summary: dict[str, Any] | None = None,
+    stage: str,
+    log_dir: Path,
+    out_dir: Path,
+    extra_summary: dict[str, Any] | None = None,
     cfg: dict[str, Any] | None = None,
 ) -> dict:
     """NeMo-RL TensorBoard logs -> ``out_dir`` (DVCLive) under the pipeline's names."""

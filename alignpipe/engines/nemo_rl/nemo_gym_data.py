@@ -33,7 +33,9 @@ def agent_ref(spec: str | dict[str, Any]) -> dict[str, Any]:
 # Gym's math_with_judge reads the final answer from \boxed{}; its own data asks for one in these
 # words (resources_servers/math_with_judge/data/example.jsonl). Rows for a math_with_judge agent
 # get them; prompts that already ask for a box keep theirs.
-BOXED_INSTRUCTION = "Solve the following math problem. Make sure to put the answer (and only answer) inside \\boxed{}.\n\n"
+BOXED_INSTRUCTION = (
+    "Solve the following math problem. Make sure to put the answer (and only answer) inside \\boxed{}.\n\n"
+)
 
 
 def to_gym_row(row: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:

@@ -50,7 +50,9 @@ class Report:
         return not self.errors
 
     def text(self) -> str:
-        lines = [f"{self.stage}: {'valid' if self.ok else 'INVALID'} for {self.schema} (NeMo-RL at {self.source})"]
+        lines = [
+            f"{self.stage}: {'valid' if self.ok else 'INVALID'} for {self.schema} (NeMo-RL at {self.source})"
+        ]
         lines += [f"  error: {e}" for e in self.errors]
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
@@ -62,7 +64,9 @@ def nemo_rl_source(ctx) -> Path | None:
     if given:
         src = Path(given).expanduser()
         if not (src / "nemo_rl").is_dir() or not (src / "examples").is_dir():
-            raise ConfigError(f"NEMO_RL_SRC={given} is not a NeMo-RL checkout (it needs nemo_rl/ and examples/)")
+            raise ConfigError(
+                f"NEMO_RL_SRC={given} is not a NeMo-RL checkout (it needs nemo_rl/ and examples/)"
+            )
         return src
     image_dir = Path(ctx.runtime.get("nemo_rl_dir") or "/opt/nemo-rl")
     return image_dir if (image_dir / "nemo_rl").is_dir() and (image_dir / "examples").is_dir() else None
@@ -105,11 +109,17 @@ def check(ctx, cfg: dict[str, Any] | None = None, *, python: str | None = None) 
             cfg = render(ctx.name, ctx.config, root=ctx.root, scratch=paths.scratch, consumes_paths=consumes)
         paths.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
         script = entry_script(ctx.name, cfg)
-        config = _run_checker(python, ["config", "--src", str(src), "--entry", script, "--config", str(paths.config)])
-        launch = _run_checker(python, ["argv", "--src", str(src), "--", *entry_argv(ctx.name, cfg, paths.config)])
+        config = _run_checker(
+            python, ["config", "--src", str(src), "--entry", script, "--config", str(paths.config)]
+        )
+        launch = _run_checker(
+            python, ["argv", "--src", str(src), "--", *entry_argv(ctx.name, cfg, paths.config)]
+        )
     report.schema = config.get("schema", "")
     for err in config.get("errors", []):
-        report.errors.append(f"{err['key']}: {err['message']} (got {err['input']}); fix {_where(ctx, err['key'])}")
+        report.errors.append(
+            f"{err['key']}: {err['message']} (got {err['input']}); fix {_where(ctx, err['key'])}"
+        )
     for unknown in config.get("unknown", []):
         hint = f"; did you mean '{unknown['suggestion']}'?" if unknown["suggestion"] else ""
         say = f"{unknown['key']} is not a key of {report.schema}{hint} (NeMo-RL would ignore it)"

@@ -111,7 +111,11 @@ def master_config_module(entry: Path) -> str:
     """The module whose ``MasterConfig`` the entry script validates with (read from its imports)."""
     tree = ast.parse(entry.read_text())
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and any(a.name == "MasterConfig" for a in node.names):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and any(a.name == "MasterConfig" for a in node.names)
+        ):
             return node.module
     raise SystemExit(f"{entry}: imports no MasterConfig")
 
@@ -190,8 +194,13 @@ def unknown_keys(value: dict, schema, prefix: str = "") -> list[dict]:
         if key not in hints:
             close = difflib.get_close_matches(str(key), list(hints), n=1, cutoff=0.6)
             section = path.split(".")[0]
-            found.append({"key": path, "suggestion": close[0] if close else None,
-                          "error": bool(prefix) and section in ALGORITHM_SECTIONS})
+            found.append(
+                {
+                    "key": path,
+                    "suggestion": close[0] if close else None,
+                    "error": bool(prefix) and section in ALGORITHM_SECTIONS,
+                }
+            )
             continue
         inner = _typed_dict_of(hints[key])
         if inner is not None and isinstance(sub, dict):
@@ -220,7 +229,9 @@ def readable_errors(raw: list[dict], plain: dict) -> list[dict]:
                 tag = (".".join(keys), part)  # a union member's name, not a key
             else:
                 keys.append(str(part))  # a missing key
-        parsed.append((tag, {"key": ".".join(keys), "message": err["msg"], "input": repr(err.get("input"))[:80]}))
+        parsed.append(
+            (tag, {"key": ".".join(keys), "message": err["msg"], "input": repr(err.get("input"))[:80]})
+        )
     counts: dict = {}
     for (tag, _), err in zip(parsed, raw, strict=True):
         if tag:
@@ -278,7 +289,10 @@ def check_argv(src: Path, argv: list[str]) -> dict:
     try:
         parsed = module.parse_args()
     except SystemExit as e:
-        return {"ok": False, "errors": [{"key": "argv", "message": f"{script}'s parse_args() exited ({e.code})"}]}
+        return {
+            "ok": False,
+            "errors": [{"key": "argv", "message": f"{script}'s parse_args() exited ({e.code})"}],
+        }
     overrides = parsed[1] if isinstance(parsed, tuple) else []
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
