@@ -14,7 +14,8 @@
 # Output: a JSON line on stdout (benchmarks/run_all.sh stores it in benchmarks/results/).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
-work="${1:-/tmp/alignpipe-bench/cache}"
+# Default: a fresh directory from mktemp (under $TMPDIR); the 2 GiB it writes is removed below.
+work="${1:-$(mktemp -d -t alignpipe-cache.XXXXXX)}"
 n="${2:-8}"
 mib="${3:-256}"
 dvc="${DVC:-$here/.venv/bin/dvc}"

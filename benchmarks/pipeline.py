@@ -10,7 +10,8 @@ Runs in a fresh git copy of the working tree (never in the shared checkout):
    CPU seconds barely change with machine load, while wall seconds do.
 2. ``dvc repro`` three times with nothing to do (the no-op cost: hashing deps, lock checks).
 
-Usage: ``python benchmarks/pipeline.py [--workdir /tmp/alignpipe-bench] [--out benchmarks/results/pipeline.json]``
+Usage: ``python benchmarks/pipeline.py [--workdir DIR] [--out benchmarks/results/pipeline.json]``
+(``--workdir`` defaults to ``alignpipe-bench/pipeline`` under the system's temporary directory).
 Measured, never asserted; figures go to benchmarks/RESULTS.md.
 """
 
@@ -24,6 +25,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -151,7 +153,9 @@ def markdown(result: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/alignpipe-bench/pipeline"))
+    parser.add_argument(
+        "--workdir", type=Path, default=Path(tempfile.gettempdir()) / "alignpipe-bench" / "pipeline"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "pipeline.json")
     parser.add_argument("--targets", nargs="*", default=[], help="stages to reproduce (default: all)")
     parser.add_argument(

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from alignpipe import console
-from alignpipe.artifacts import dvc_hash
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, publish, training
@@ -390,7 +389,8 @@ def run_grpo(
     max_new = int(heldout_settings(ctx).get("max_new_tokens", 16))
     kl = kl_to_reference(policy, reference, tokenizer, samples.prompts, samples.completions, max_new)
     live.summary.setdefault("heldout", {})["kl_to_reference"] = kl
-    measures = {"kl_to_reference": {"model": dvc_hash(ctx.input("policy")), "value": kl}}
+    # The hash lineage already took (ctx.input_hashes is cached): no second pass over the files.
+    measures = {"kl_to_reference": {"model": ctx.input_hashes["policy"]["hash"], "value": kl}}
     extra = after_training(live, samples, ref_samples, measures) if after_training else {}
     record_timing(ctx.name, "heldout", seconds=time.monotonic() - heldout_started)
     metrics = live_log.close(ctx, live)

@@ -24,7 +24,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from alignpipe.artifacts import dvc_hash
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import grpo
@@ -105,7 +104,7 @@ def heldout_rm_metrics(
     """RM scores of the policy's and the SFT reference's held-out samples; the reward-hacking flag.
     The policy's per-sample scores go into ``measures``, published with its samples."""
     pol_scores = scorer(samples.prompts, samples.completions)
-    measures["rm_score"] = {"model": dvc_hash(ctx.input("reward_model")), "scores": pol_scores}
+    measures["rm_score"] = {"model": ctx.input_hashes["reward_model"]["hash"], "scores": pol_scores}
     ref_scores = scorer(reference.prompts, reference.completions)
     out = {
         "rm_score": sum(pol_scores) / max(1, len(pol_scores)),
