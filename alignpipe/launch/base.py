@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import sys
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, TextIO
+
+from alignpipe.launch.interrupt import shielded, sigterm_as_interrupt
 
 # Variables a stage needs wherever it runs. DVC_* tell DVCLive it is inside a pipeline
 # (otherwise it would try to create its own experiment); HF_* keep the hub offline.
@@ -28,6 +32,23 @@ def string_list(key: str, value) -> list[str]:
 
         raise ConfigError(f"params.yaml: {key} must be a list of strings, found {value!r}")
     return list(value)
+
+
+def settings_section(params: Mapping[str, Any], section: str, known: Iterable[str]) -> dict[str, Any]:
+    """params.yaml's ``<section>:`` mapping (absent -> {}), refusing keys the launcher does not know."""
+    from alignpipe.errors import ConfigError
+
+    values = params.get(section) or {}
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"params.yaml: '{section}' must be a mapping, found {type(values).__name__}")
+    known = sorted(known)
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        prefix = f", {section}."
+        raise ConfigError(
+            f"params.yaml: unknown key(s) {section}.{prefix.join(unknown)}; known keys: {', '.join(known)}"
+        )
+    return dict(values)
 
 
 def is_secret(name: str) -> bool:
@@ -91,3 +112,52 @@ class Launcher(ABC):
                 f"to a filesystem shared with the DVC workspace; mount the repository at the same "
                 f"path on the compute nodes." + (f" ({where})" if where else "")
             )
+
+
+class JobLauncher(Launcher):
+    """A launcher that hands the stage to something that outlives this process.
+
+    A container, a Slurm job and a Ray job all go the same way: submit, follow the job's
+    logs until it ends, and, if the stage is interrupted (Ctrl-C, or SIGTERM from ``dvc
+    queue kill``/``timeout``) while following, cancel the job before the interrupt
+    propagates, shielded from a second signal. That order lives here, once; each launcher
+    says how it submits, follows, cancels and reads the outcome of its kind of job.
+    """
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        stage: str,
+        workdir: Path,
+        env: Mapping[str, str],
+        out: TextIO | None = None,
+    ) -> int:
+        out = out or sys.stdout
+        with sigterm_as_interrupt():
+            job = self.submit(argv, stage=stage, workdir=Path(workdir), env=env, out=out)
+            try:
+                self.follow(job, out)
+            except BaseException:
+                with shielded():
+                    self.cancel(job, out)
+                raise
+        return self.finish(job, out)
+
+    @abstractmethod
+    def submit(
+        self, argv: Sequence[str], *, stage: str, workdir: Path, env: Mapping[str, str], out: TextIO
+    ) -> Any:
+        """Start the job and return its handle (what the other three steps act on)."""
+
+    @abstractmethod
+    def follow(self, job: Any, out: TextIO) -> None:
+        """Stream the job's output to ``out`` until it ends."""
+
+    @abstractmethod
+    def cancel(self, job: Any, out: TextIO) -> None:
+        """Stop the job and wait a bounded time for it to be gone; must not raise."""
+
+    @abstractmethod
+    def finish(self, job: Any, out: TextIO) -> int:
+        """Record where and how the job ended; return its exit code."""

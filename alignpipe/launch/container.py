@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from alignpipe.errors import ConfigError
-from alignpipe.launch.base import Launcher, forwarded_env, redact_argv, shell_join
+from alignpipe.launch.base import JobLauncher, forwarded_env, redact_argv, shell_join
 
 RUNTIMES = ("docker", "podman")
 # Forwarded variables that name host directories the job reads or writes: mounted at the
@@ -79,7 +79,7 @@ def container_name(stage: str, workdir: Path) -> str:
 
 
 @dataclass
-class ContainerLauncher(Launcher):
+class ContainerLauncher(JobLauncher):
     image: str
     runtime: str = "docker"
     gpus: Any = "all"
@@ -199,29 +199,35 @@ class ContainerLauncher(Launcher):
             [self.runtime, "kill", name], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False
         )
 
-    def run(self, argv, *, stage, workdir, env):
-        from alignpipe.launch.interrupt import shielded, sigterm_as_interrupt
-
+    def submit(self, argv, *, stage, workdir, env, out):
         env = dict(env)
         cmd = self.argv(argv, stage=stage, workdir=workdir, env_names=sorted(env), env_dirs=env_dirs(env))
-        name = container_name(stage, Path(workdir).resolve())
         home = self.home_dir()
         if home is not None:
             home.mkdir(parents=True, exist_ok=True)
         print(f"alignpipe: {shell_join(redact_argv(cmd))}", file=sys.stderr, flush=True)
         # The client reads each `-e NAME`'s value from its own environment.
-        client_env = {**os.environ, **env}
-        with sigterm_as_interrupt():
-            proc = subprocess.Popen(cmd, cwd=workdir, env=client_env, start_new_session=True)
-            try:
-                return proc.wait()
-            except BaseException:
-                with shielded():
-                    print(f"alignpipe: interrupted; stopping container {name}", file=sys.stderr, flush=True)
-                    self._stop(name)
-                    try:
-                        proc.wait(timeout=self.stop_timeout_s + 30)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
-                raise
+        proc = subprocess.Popen(cmd, cwd=workdir, env={**os.environ, **env}, start_new_session=True)
+        return _Container(proc, container_name(stage, workdir.resolve()))
+
+    def follow(self, job, out):
+        # The client runs in the foreground: the container's output is already on ours.
+        job.proc.wait()
+
+    def cancel(self, job, out):
+        print(f"alignpipe: interrupted; stopping container {job.name}", file=sys.stderr, flush=True)
+        self._stop(job.name)
+        try:
+            job.proc.wait(timeout=self.stop_timeout_s + 30)
+        except subprocess.TimeoutExpired:
+            job.proc.kill()
+            job.proc.wait()
+
+    def finish(self, job, out):
+        return job.proc.returncode
+
+
+@dataclass
+class _Container:
+    proc: subprocess.Popen
+    name: str

@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import shlex
-import sys
 import threading
 import time
 import uuid
@@ -29,8 +28,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from alignpipe.errors import AlignpipeError, ConfigError
-from alignpipe.launch.base import Launcher, is_secret, redact_env, shell_join, string_list
-from alignpipe.launch.interrupt import shielded, sigterm_as_interrupt
+from alignpipe.launch.base import (
+    JobLauncher,
+    is_secret,
+    redact_env,
+    settings_section,
+    shell_join,
+    string_list,
+)
 
 POLL_S = 1.0
 # How long a stopped job may take to reach a terminal state before we stop waiting.
@@ -54,16 +59,7 @@ class RaySettings:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> RaySettings:
-        section = params.get("ray") or {}
-        if not isinstance(section, Mapping):
-            raise ConfigError(f"params.yaml: 'ray' must be a mapping, found {type(section).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(section) - known)
-        if unknown:
-            raise ConfigError(
-                f"params.yaml: unknown key(s) ray.{', ray.'.join(unknown)}; known keys: {', '.join(sorted(known))}"
-            )
-        values = dict(section)
+        values = settings_section(params, "ray", (f.name for f in fields(cls)))
         for key in ("env_vars", "entrypoint_resources"):
             value = values.get(key)
             if value is None:
@@ -77,7 +73,7 @@ class RaySettings:
         return cls(**values)
 
 
-class RayJobLauncher(Launcher):
+class RayJobLauncher(JobLauncher):
     name = "ray"
 
     def __init__(self, settings: RaySettings):
@@ -171,18 +167,7 @@ class RayJobLauncher(Launcher):
                 "dashboard URL of a running cluster, e.g. http://HEAD:8265"
             ) from None
 
-    def run(
-        self,
-        argv: Sequence[str],
-        *,
-        stage: str,
-        workdir: Path,
-        env: Mapping[str, str],
-        out: TextIO | None = None,
-    ) -> int:
-        from ray.job_submission import JobStatus
-
-        out = out or sys.stdout
+    def submit(self, argv, *, stage, workdir, env, out):
         client = self.client()
         submission_id = f"alignpipe-{stage}-{uuid.uuid4().hex[:12]}"
         env_vars, dropped = self.job_env(env, submission_id)
@@ -193,64 +178,68 @@ class RayJobLauncher(Launcher):
                 file=out,
                 flush=True,
             )
-        with sigterm_as_interrupt():
-            client.submit_job(
-                entrypoint=self.entrypoint(argv, Path(workdir)),
-                submission_id=submission_id,
-                runtime_env=self.runtime_env(env_vars),
-                metadata={"alignpipe_stage": stage, "workdir": str(workdir)},
-                **self.submit_kwargs(),
-            )
-            print(
-                f"alignpipe: submitted stage '{stage}' as Ray job {submission_id} at {self.address()}",
-                file=out,
-                flush=True,
-            )
-            logs = _LogStream(client, submission_id, out)
-            logs.start()
-            try:
-                status = client.get_job_status(submission_id)
-                while not status.is_terminal():
-                    time.sleep(POLL_S)
-                    status = client.get_job_status(submission_id)
-            except BaseException:
-                with shielded():
-                    self._stop(client, submission_id, out)
-                    logs.join(10.0)
-                raise
-            logs.join(30.0)
-        info = client.get_job_info(submission_id)
+        client.submit_job(
+            entrypoint=self.entrypoint(argv, workdir),
+            submission_id=submission_id,
+            runtime_env=self.runtime_env(env_vars),
+            metadata={"alignpipe_stage": stage, "workdir": str(workdir)},
+            **self.submit_kwargs(),
+        )
+        print(
+            f"alignpipe: submitted stage '{stage}' as Ray job {submission_id} at {self.address()}",
+            file=out,
+            flush=True,
+        )
+        logs = _LogStream(client, submission_id, out)
+        logs.start()
+        return _RayJob(client, submission_id, logs)
+
+    def follow(self, job, out):
+        job.status = job.client.get_job_status(job.submission_id)
+        while not job.status.is_terminal():
+            time.sleep(POLL_S)
+            job.status = job.client.get_job_status(job.submission_id)
+
+    def cancel(self, job, out):
+        print(f"alignpipe: interrupted; stopping Ray job {job.submission_id}", file=out, flush=True)
+        try:
+            job.client.stop_job(job.submission_id)
+            deadline = time.monotonic() + STOP_WAIT_S
+            while time.monotonic() < deadline:
+                status = job.client.get_job_status(job.submission_id)
+                if status.is_terminal():
+                    print(f"alignpipe: Ray job {job.submission_id} {status}", file=out, flush=True)
+                    break
+                time.sleep(0.5)
+            else:
+                print(
+                    f"alignpipe: Ray job {job.submission_id} did not stop within {STOP_WAIT_S:.0f}s",
+                    file=out,
+                    flush=True,
+                )
+        except Exception as e:  # the interrupt must still propagate; say what went wrong
+            print(f"alignpipe: could not stop Ray job {job.submission_id}: {e}", file=out, flush=True)
+        job.logs.join(10.0)
+
+    def finish(self, job, out):
+        from ray.job_submission import JobStatus
+
+        job.logs.join(30.0)
+        info = job.client.get_job_info(job.submission_id)
         self.last_job = {
             "launcher": "ray",
-            "job_id": submission_id,
+            "job_id": job.submission_id,
             "status": str(info.status),
             "driver_node_id": info.driver_node_id,
             "message": info.message,
         }
-        code = exit_code(status, info.driver_exit_code, info.message)
-        if status == JobStatus.STOPPED:
-            print(f"alignpipe: Ray job {submission_id} was stopped outside alignpipe", file=out, flush=True)
-        print(f"alignpipe: Ray job {submission_id} {status} (exit {code})", file=out, flush=True)
-        return code
-
-    def _stop(self, client, submission_id: str, out: TextIO) -> None:
-        print(f"alignpipe: interrupted; stopping Ray job {submission_id}", file=out, flush=True)
-        try:
-            client.stop_job(submission_id)
-            deadline = time.monotonic() + STOP_WAIT_S
-            while time.monotonic() < deadline:
-                status = client.get_job_status(submission_id)
-                if status.is_terminal():
-                    print(f"alignpipe: Ray job {submission_id} {status}", file=out, flush=True)
-                    return
-                time.sleep(0.5)
+        code = exit_code(job.status, info.driver_exit_code, info.message)
+        if job.status == JobStatus.STOPPED:
             print(
-                f"alignpipe: Ray job {submission_id} did not stop within {STOP_WAIT_S:.0f}s",
-                file=out,
-                flush=True,
+                f"alignpipe: Ray job {job.submission_id} was stopped outside alignpipe", file=out, flush=True
             )
-        except Exception as e:  # the interrupt must still propagate; say what went wrong
-            print(f"alignpipe: could not stop Ray job {submission_id}: {e}", file=out, flush=True)
+        print(f"alignpipe: Ray job {job.submission_id} {job.status} (exit {code})", file=out, flush=True)
+        return code
 
     def last_job_where(self) -> str:
         job = self.last_job or {}
@@ -269,6 +258,14 @@ def exit_code(status: Any, driver_exit_code: int | None, message: str | None) ->
         code = int(match.group(1))
         return code if code > 0 else 128 - code
     return 1
+
+
+@dataclass
+class _RayJob:
+    client: Any  # ray.job_submission.JobSubmissionClient
+    submission_id: str
+    logs: _LogStream
+    status: Any = None  # ray.job_submission.JobStatus, once followed
 
 
 class _LogStream(threading.Thread):

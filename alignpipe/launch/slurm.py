@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from alignpipe.errors import AlignpipeError, ConfigError
-from alignpipe.launch.base import Launcher, shell_join, string_list
-from alignpipe.launch.interrupt import shielded, sigterm_as_interrupt
+from alignpipe.launch.base import JobLauncher, settings_section, shell_join, string_list
 
 # How long to wait for sbatch to notice a cancelled job before giving up on it.
 CANCEL_WAIT_S = 60.0
@@ -63,16 +62,7 @@ class SlurmSettings:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> SlurmSettings:
-        section = params.get("slurm") or {}
-        if not isinstance(section, Mapping):
-            raise ConfigError(f"params.yaml: 'slurm' must be a mapping, found {type(section).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(section) - known)
-        if unknown:
-            raise ConfigError(
-                f"params.yaml: unknown key(s) slurm.{', slurm.'.join(unknown)}; known keys: {', '.join(sorted(known))}"
-            )
-        values = {k: v for k, v in section.items()}
+        values = settings_section(params, "slurm", (f.name for f in fields(cls)))
         for key in ("container_mounts", "extra_args", "setup", "ray_head_args", "ray_worker_args"):
             values[key] = string_list(f"slurm.{key}", values.get(key))
         for key in ("nodes", "gpus_per_node", "ray_port", "ray_start_timeout_s"):
@@ -95,7 +85,7 @@ class SlurmSettings:
         return self.nodes > 1 if self.ray_cluster is None else bool(self.ray_cluster)
 
 
-class SlurmLauncher(Launcher):
+class SlurmLauncher(JobLauncher):
     name = "slurm"
 
     def __init__(self, settings: SlurmSettings, *, python_bin: str | None = None):
@@ -245,102 +235,101 @@ class SlurmLauncher(Launcher):
 
     # ------------------------------------------------------------------ running
 
-    def run(
-        self,
-        argv: Sequence[str],
-        *,
-        stage: str,
-        workdir: Path,
-        env: Mapping[str, str],
-        out: TextIO | None = None,
-    ) -> int:
-        out = out or sys.stdout
-        workdir = Path(workdir)
+    def submit(self, argv, *, stage, workdir, env, out):
         script = self.script_path(stage, workdir)
         script.parent.mkdir(parents=True, exist_ok=True)
         script.write_text(self.render_script(argv, stage=stage, workdir=workdir))
         script.chmod(0o755)
-        cmd = self.command(argv, stage=stage, workdir=workdir)
         job_env = {**os.environ, **env}
         if not self.settings.container_image and self.python_bin:
             job_env["PATH"] = f"{self.python_bin}:{job_env.get('PATH', '')}"
-        with sigterm_as_interrupt():
+        try:
             # Own session: a Ctrl-C on the terminal must not kill `sbatch --wait` (which would
-            # leave the job running); we cancel the job ourselves instead.
-            try:
-                proc = subprocess.Popen(
-                    cmd, cwd=workdir, env=job_env, stdout=subprocess.PIPE, text=True, start_new_session=True
-                )
-            except FileNotFoundError:
-                raise AlignpipeError(
-                    "runtime.launcher is slurm but `sbatch` is not on PATH: run the pipeline on a Slurm "
-                    "login node (or set runtime.launcher to process, container or ray)"
-                ) from None
-            job_id: str | None = None
-            try:
-                first = proc.stdout.readline() if proc.stdout else ""
-                # --parsable prints "<jobid>" or "<jobid>;<cluster>" as soon as the job is queued.
-                match = re.match(r"\s*(\d+)", first)
-                job_id = match.group(1) if match else None
-                if job_id is None:
-                    if first.strip():
-                        print(first.rstrip(), file=sys.stderr)
-                    rc = proc.wait()
-                    print(
-                        f"alignpipe: sbatch could not submit stage '{stage}' (exit {rc}); its error is above",
-                        file=sys.stderr,
-                    )
-                    return rc or 1
-                log = self.log_dir(workdir) / f"{stage}-{job_id}.log"
-                print(
-                    f"alignpipe: submitted stage '{stage}' as slurm job {job_id} (log {log})",
-                    file=out,
-                    flush=True,
-                )
-                tail = _LogTail(log, out)
-                while proc.poll() is None:
-                    tail.pump()
-                    time.sleep(POLL_S)
-                tail.finish()
-                rc = proc.returncode
-            except BaseException:
-                with shielded():
-                    self._cancel(proc, job_id, out)
-                    if job_id is not None:
-                        self._record(stage, workdir, job_id, script, rc=None)
-                raise
-        info = self._record(stage, workdir, job_id, script, rc=rc)
+            # leave the job running); `cancel` scancels the job instead.
+            proc = subprocess.Popen(
+                self.command(argv, stage=stage, workdir=workdir),
+                cwd=workdir,
+                env=job_env,
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        except FileNotFoundError:
+            raise AlignpipeError(
+                "runtime.launcher is slurm but `sbatch` is not on PATH: run the pipeline on a Slurm "
+                "login node (or set runtime.launcher to process, container or ray)"
+            ) from None
+        return _SlurmJob(proc=proc, stage=stage, workdir=workdir, script=script)
+
+    def follow(self, job, out):
+        first = job.proc.stdout.readline() if job.proc.stdout else ""
+        # --parsable prints "<jobid>" or "<jobid>;<cluster>" as soon as the job is queued.
+        match = re.match(r"\s*(\d+)", first)
+        if match is None:
+            if first.strip():
+                print(first.rstrip(), file=sys.stderr)
+            job.proc.wait()
+            return
+        job.job_id = match.group(1)
+        log = self.log_dir(job.workdir) / f"{job.stage}-{job.job_id}.log"
+        print(
+            f"alignpipe: submitted stage '{job.stage}' as slurm job {job.job_id} (log {log})",
+            file=out,
+            flush=True,
+        )
+        tail = _LogTail(log, out)
+        while job.proc.poll() is None:
+            tail.pump()
+            time.sleep(POLL_S)
+        tail.finish()
+
+    def cancel(self, job, out):
+        if job.job_id is not None:
+            print(f"alignpipe: interrupted; cancelling slurm job {job.job_id}", file=out, flush=True)
+            subprocess.run(["scancel", job.job_id], check=False, timeout=60)
+        try:
+            job.proc.wait(timeout=CANCEL_WAIT_S if job.job_id is not None else 5)
+        except subprocess.TimeoutExpired:
+            job.proc.kill()
+            job.proc.wait()
+        if job.job_id is not None:
+            self._record(job, sbatch_rc=None)
+
+    def finish(self, job, out):
+        rc = job.proc.returncode
+        if job.job_id is None:
+            print(
+                f"alignpipe: sbatch could not submit stage '{job.stage}' (exit {rc}); its error is above",
+                file=sys.stderr,
+            )
+            return rc or 1
+        info = self._record(job, sbatch_rc=rc)
         code = job_exit_code(info.get("state"), info.get("exit_code"), rc)
         print(
-            f"alignpipe: slurm job {job_id} {info.get('state') or 'finished'} (exit {code}) on {info.get('nodes') or '?'}",
+            f"alignpipe: slurm job {job.job_id} {info.get('state') or 'finished'} (exit {code}) "
+            f"on {info.get('nodes') or '?'}",
             file=out,
             flush=True,
         )
         return code
 
-    def _cancel(self, proc: subprocess.Popen, job_id: str | None, out: TextIO) -> None:
-        if job_id is not None:
-            print(f"alignpipe: interrupted; cancelling slurm job {job_id}", file=out, flush=True)
-            subprocess.run(["scancel", job_id], check=False, timeout=60)
-        try:
-            proc.wait(timeout=CANCEL_WAIT_S if job_id is not None else 5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    def _record(self, job: _SlurmJob, sbatch_rc: int | None) -> dict[str, Any]:
+        """Write ``<log_dir>/<stage>-<jobid>.json``: how to find this job again.
 
-    def _record(self, stage: str, workdir: Path, job_id: str, script: Path, rc: int | None) -> dict[str, Any]:
-        """Write ``<log_dir>/<stage>-<jobid>.json``: how to find this job again."""
-        info = job_info(job_id)
+        ``sbatch_rc`` is null when the stage was interrupted and the job cancelled.
+        """
+        info = job_info(job.job_id)
+        log_dir = self.log_dir(job.workdir)
         record = {
             "launcher": "slurm",
-            "stage": stage,
-            "job_id": job_id,
-            "script": str(script),
-            "log": str(self.log_dir(workdir) / f"{stage}-{job_id}.log"),
-            "sbatch_rc": rc,
+            "stage": job.stage,
+            "job_id": job.job_id,
+            "script": str(job.script),
+            "log": str(log_dir / f"{job.stage}-{job.job_id}.log"),
+            "sbatch_rc": sbatch_rc,
             **info,
         }
-        path = self.log_dir(workdir) / f"{stage}-{job_id}.json"
+        path = log_dir / f"{job.stage}-{job.job_id}.json"
         path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         self.last_job = record
         return record
@@ -348,6 +337,15 @@ class SlurmLauncher(Launcher):
     def last_job_where(self) -> str:
         job = self.last_job or {}
         return f"slurm job {job.get('job_id', '?')} ran on {job.get('nodes') or '?'}"
+
+
+@dataclass
+class _SlurmJob:
+    proc: subprocess.Popen  # `sbatch --wait`: exits when the job ends
+    stage: str
+    workdir: Path
+    script: Path
+    job_id: str | None = None  # known once sbatch prints it
 
 
 class _LogTail:
