@@ -36,7 +36,7 @@ from typing import Any
 from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
-from alignpipe.engines.local import live_log, publish, training
+from alignpipe.engines.local import live_log, training
 from alignpipe.errors import UnsupportedSetting
 from alignpipe.measure.heldout import log_heldout, sample_heldout, samples_file
 from alignpipe.measure.logprobs import LOCAL_DTYPE
@@ -236,9 +236,7 @@ def run(ctx: StageContext) -> None:
 
     samples = sample_heldout(ctx, model, tokenizer)
     heldout = log_heldout(live, tokenizer, samples)
-    metrics = live_log.close(ctx, live)
-    publish.publish_model(ctx, "policy_out", model, tokenizer, metrics, files=samples_file(samples))
-    training.clear_scratch(ctx)
+    metrics = training.publish_trained(ctx, "policy_out", model, tokenizer, live, files=samples_file(samples))
     console.outcome(
         "dpo",
         {

@@ -25,7 +25,7 @@ from typing import Any
 from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
-from alignpipe.engines.local import live_log, publish, training
+from alignpipe.engines.local import live_log, training
 from alignpipe.errors import NoLearningSignal, UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.generation import user_turn
@@ -393,10 +393,8 @@ def run_grpo(
     measures = {"kl_to_reference": {"model": ctx.input_hashes["policy"]["hash"], "value": kl}}
     extra = after_training(live, samples, ref_samples, measures) if after_training else {}
     record_timing(ctx.name, "heldout", seconds=time.monotonic() - heldout_started)
-    metrics = live_log.close(ctx, live)
     files = {**samples_file(samples), **measures_file(samples, measures)}
-    publish.publish_model(ctx, "policy_out", policy, tokenizer, metrics, files=files)
-    training.clear_scratch(ctx)
+    metrics = training.publish_trained(ctx, "policy_out", policy, tokenizer, live, files=files)
     console.outcome(
         ctx.name,
         {

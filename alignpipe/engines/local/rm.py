@@ -32,7 +32,7 @@ from typing import Any
 from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
-from alignpipe.engines.local import live_log, publish, training
+from alignpipe.engines.local import live_log, training
 from alignpipe.errors import UnsupportedSetting
 from alignpipe.measure.logprobs import LOCAL_DTYPE
 from alignpipe.measure.metrics import local_keys
@@ -168,11 +168,8 @@ def run(ctx: StageContext) -> None:
     )
     model = training.train_then_validate(ctx, trainer, live, METRICS, validation, "rm", bool(val_pairs))
 
-    metrics = live_log.close(ctx, live)
-    publish.publish_model(
-        ctx, "reward_model", model, tokenizer, metrics, extra={"reward_model_type": "bradley_terry"}
-    )
-    training.clear_scratch(ctx)
+    extra = {"reward_model_type": "bradley_terry"}
+    metrics = training.publish_trained(ctx, "reward_model", model, tokenizer, live, extra=extra)
     acc = metrics.get("val/pairwise_accuracy")
     console.outcome(
         "rm", {"val/pairwise_accuracy": acc}, ctx.output("reward_model").relative_to(ctx.root), ctx.started

@@ -10,7 +10,7 @@ from __future__ import annotations
 from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
-from alignpipe.engines.local import live_log, publish, training
+from alignpipe.engines.local import live_log, training
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.heldout import log_heldout, sample_heldout, samples_file
 from alignpipe.measure.logprobs import LOCAL_DTYPE
@@ -89,9 +89,7 @@ def run(ctx: StageContext) -> None:
 
     samples = sample_heldout(ctx, model, tokenizer)
     heldout = log_heldout(live, tokenizer, samples)
-    metrics = live_log.close(ctx, live)
-    publish.publish_model(ctx, "policy", model, tokenizer, metrics, files=samples_file(samples))
-    training.clear_scratch(ctx)
+    training.publish_trained(ctx, "policy", model, tokenizer, live, files=samples_file(samples))
     console.outcome(
         "sft",
         {"heldout/accuracy": heldout["accuracy"]},

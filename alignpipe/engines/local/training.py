@@ -14,6 +14,7 @@ from typing import Any
 from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
+from alignpipe.engines.local import live_log, publish
 from alignpipe.engines.local.live_log import replay_history
 from alignpipe.errors import UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
@@ -244,8 +245,23 @@ def train_then_validate(
     return trainer.model
 
 
-def clear_scratch(ctx: StageContext) -> None:
+def publish_trained(
+    ctx: StageContext,
+    output: str,
+    model,
+    tokenizer,
+    live,
+    *,
+    extra: dict[str, Any] | None = None,
+    files: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """How every training stage ends: close its DVCLive run (the final metrics), publish the
+    model with those metrics, then drop its resume checkpoints, which the published model
+    supersedes. Returns the metrics."""
+    metrics = live_log.close(ctx, live)
+    publish.publish_model(ctx, output, model, tokenizer, metrics, extra=extra, files=files)
     shutil.rmtree(ctx.scratch_dir, ignore_errors=True)
+    return metrics
 
 
 # ----------------------------------------------------------------------------- data
