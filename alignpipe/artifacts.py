@@ -130,6 +130,7 @@ def write_manifest(
     metrics: dict[str, Any] | None = None,
     image: str | None = None,
     source_model: dict[str, Any] | None = None,
+    system_prompt: str | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write ``artifact.json``: what this is, who made it, from what, and how good it is."""
@@ -152,6 +153,8 @@ def write_manifest(
         manifest["job"] = os.environ["ALIGNPIPE_JOB_ID"]
     if source_model:  # the starting model this descends from (models/base's; starting_model.py)
         manifest["source_model"] = source_model
+    if system_prompt:  # the system turn a policy was trained after: measure and serve it with it
+        manifest["system_prompt"] = system_prompt
     if extra:
         manifest.update(extra)
     write_json_atomic(Path(directory) / MANIFEST, manifest)

@@ -50,6 +50,28 @@ def set_cpu_env() -> None:
         os.environ.setdefault(k, v)
 
 
+# Where system prompt files live: a DVC dep of every stage that trains, so editing one re-runs them.
+PROMPTS_DIR = "prompts"
+
+
+def read_system_prompt(root: Path, path: str | None) -> str | None:
+    """The text of a ``data.default.system_prompt_file`` (a path under prompts/), None if unset or empty."""
+    if not path:
+        return None
+    where = "data.default.system_prompt_file"
+    relative = Path(path)
+    if relative.is_absolute() or relative.parts[:1] != (PROMPTS_DIR,) or ".." in relative.parts:
+        raise ConfigError(
+            f"{where}: '{path}' is not under {PROMPTS_DIR}/; put the file in {PROMPTS_DIR}/ (a DVC dep of "
+            "every training stage, so changing it re-runs them) and give its repo-relative path"
+        )
+    file = root / relative
+    if not file.is_file():
+        raise ConfigError(f"{where}: {file} does not exist; create it or set the key to null")
+    # As NeMo-RL's TaskDataSpec: the file's whole text; an empty file means no system turn.
+    return file.read_text(encoding="utf-8") or None
+
+
 def runtime_settings(params: dict[str, Any], profile: str) -> dict[str, Any]:
     """params.yaml ``runtime`` with ``auto`` engine/launcher decided from the profile."""
     runtime = dict(params.get("runtime") or {})
@@ -139,6 +161,13 @@ class StageContext:
                 if found:
                     return found
         return None
+
+    @functools.cached_property
+    def system_prompt(self) -> str | None:
+        """The system turn this stage puts before every prompt: the text of NeMo-RL's
+        ``data.default.system_prompt_file``. None when unset or empty (as in NeMo-RL): the model's
+        chat template then adds its own default, if it has one (SmolLM2's is 16 tokens)."""
+        return read_system_prompt(self.root, C.get_path(self.config, "data.default.system_prompt_file"))
 
     @functools.cached_property
     def run_key(self) -> str:

@@ -2,9 +2,32 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 
-def user_turn(prompt: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": prompt}]
+from alignpipe.artifacts import MANIFEST
+
+
+def with_system(messages: list[dict[str, str]], system: str | None) -> list[dict[str, str]]:
+    """``messages`` after the stage's system turn (its ``data.default.system_prompt_file``), unless
+    there is none or the conversation has its own; without one the chat template adds its default."""
+    if not system or (messages and messages[0]["role"] == "system"):
+        return list(messages)
+    return [{"role": "system", "content": system}, *messages]
+
+
+def prompt_messages(prompt: str, system: str | None = None) -> list[dict[str, str]]:
+    """A single-turn prompt as chat messages, after the system turn when there is one."""
+    return with_system([{"role": "user", "content": prompt}], system)
+
+
+def model_system_prompt(model_dir: Path | str) -> str | None:
+    """The system prompt a published model was trained with (its artifact.json ``system_prompt``):
+    measure it the way it was prompted."""
+    manifest = Path(model_dir) / MANIFEST
+    if not manifest.is_file():
+        return None
+    return json.loads(manifest.read_text()).get("system_prompt")
 
 
 def generate(
@@ -17,6 +40,7 @@ def generate(
     top_p: float = 1.0,
     batch_size: int = 128,
     seed: int = 0,
+    system: str | None = None,
 ) -> list[str]:
     """Seeded sampling (greedy when temperature is 0) of one completion per prompt."""
     import torch
@@ -28,7 +52,9 @@ def generate(
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         texts = [
-            tokenizer.apply_chat_template(user_turn(p), tokenize=False, add_generation_prompt=True)
+            tokenizer.apply_chat_template(
+                prompt_messages(p, system), tokenize=False, add_generation_prompt=True
+            )
             for p in chunk
         ]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)

@@ -21,7 +21,7 @@ from typing import Any
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.jsonl import read_jsonl
-from alignpipe.measure.generation import generate
+from alignpipe.measure.generation import generate, model_system_prompt
 
 
 def heldout_settings(ctx: StageContext) -> dict[str, Any]:
@@ -51,16 +51,20 @@ class HeldoutSamples:
     completions: list[str]
     key: str
     reused: bool = False
+    # The system turn the prompts were asked with: what KL is measured under, too.
+    system: str | None = None
 
     @property
     def prompts(self) -> list[str]:
         return [r["prompt"] for r in self.rows]
 
 
-def sampling_key(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
+def sampling_key(rows: list[dict[str, Any]], settings: dict[str, Any], system: str | None = None) -> str:
     sampling = {k: settings.get(k) for k in SAMPLING_KEYS}
     ids = [r.get("id") or r["prompt"] for r in rows]
-    return hashlib.sha256(json.dumps([sampling, ids], sort_keys=True).encode()).hexdigest()[:16]
+    # Without a system prompt the key is what it was before there could be one.
+    parts = [sampling, ids] if system is None else [sampling, ids, system]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def load_samples(model_dir: Path, key: str, n: int) -> list[str] | None:
@@ -114,16 +118,21 @@ def sample_heldout(
     ctx: StageContext, model, tokenizer, model_dir: Path | str | None = None
 ) -> HeldoutSamples:
     """This model's held-out samples: reused from ``model_dir`` when it carries them for these
-    prompts and settings, drawn (seeded) otherwise."""
+    prompts and settings, drawn (seeded) otherwise. A published model (``model_dir``) is asked
+    with the system prompt it was trained with; the stage's own policy with the stage's."""
     settings = heldout_settings(ctx)
     rows = heldout_rows(ctx, settings)
-    key = sampling_key(rows, settings)
+    system = model_system_prompt(model_dir) if model_dir is not None else ctx.system_prompt
+    key = sampling_key(rows, settings, system)
     if model_dir is not None and (cached := load_samples(Path(model_dir), key, len(rows))) is not None:
-        return HeldoutSamples(rows, cached, key, reused=True)
-    return HeldoutSamples(rows, heldout_completions(model, tokenizer, rows, settings), key)
+        return HeldoutSamples(rows, cached, key, reused=True, system=system)
+    completions = heldout_completions(model, tokenizer, rows, settings, system)
+    return HeldoutSamples(rows, completions, key, system=system)
 
 
-def heldout_completions(model, tokenizer, rows: list[dict[str, Any]], settings: dict[str, Any]) -> list[str]:
+def heldout_completions(
+    model, tokenizer, rows: list[dict[str, Any]], settings: dict[str, Any], system: str | None = None
+) -> list[str]:
     """The seeded samples ``heldout_accuracy`` scores (one per row), from ``alignpipe.heldout`` settings."""
     return generate(
         model,
@@ -134,6 +143,7 @@ def heldout_completions(model, tokenizer, rows: list[dict[str, Any]], settings: 
         top_p=float(settings.get("top_p", 1.0)),
         batch_size=int(settings.get("batch_size", 128)),
         seed=int(settings.get("seed", 1234)),
+        system=system,
     )
 
 
@@ -143,17 +153,19 @@ def heldout_accuracy(
     rows: Iterable[dict[str, Any]],
     settings: dict[str, Any],
     completions: list[str] | None = None,
+    system: str | None = None,
 ) -> dict[str, float]:
     """Verifier accuracy of sampled answers on held-out prompts, overall and per task.
 
     The one definition every policy stage reports as ``heldout/accuracy``. ``completions``:
-    samples already drawn with ``heldout_completions`` (the evaluate stage reuses them).
+    samples already drawn with ``heldout_completions`` (the evaluate stage reuses them); else
+    they are drawn here, after ``system`` (the model's system prompt) when there is one.
     """
     from alignpipe.rewards import score_completions
 
     rows = list(rows)
     if completions is None:
-        completions = heldout_completions(model, tokenizer, rows, settings)
+        completions = heldout_completions(model, tokenizer, rows, settings, system)
     scores = score_completions(rows, completions)
     result = {
         "accuracy": sum(scores) / max(1, len(scores)),

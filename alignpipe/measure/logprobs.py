@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from alignpipe.errors import ConfigError
-from alignpipe.measure.generation import user_turn
+from alignpipe.measure.generation import prompt_messages
 
 # The local engine trains and measures in float32: transformers 5 loads a checkpoint in the
 # dtype it was stored in, and bf16 weights on a CPU are slow and drop small AdamW updates.
@@ -68,15 +68,22 @@ def token_logprobs(
 
 
 def kl_to_reference(
-    policy, reference, tokenizer, prompts: list[str], completions: list[str], max_new_tokens: int
+    policy,
+    reference,
+    tokenizer,
+    prompts: list[str],
+    completions: list[str],
+    max_new_tokens: int,
+    system: str | None = None,
 ) -> float:
-    """Mean per-token k3 estimate of KL(policy || reference) on the policy's own samples."""
+    """Mean per-token k3 estimate of KL(policy || reference) on the policy's own samples, both
+    models conditioned on the prompts as the samples were drawn (``system``: their system turn)."""
     import torch
 
     prompt_ids = [
         list(
             tokenizer.apply_chat_template(
-                user_turn(p), tokenize=True, add_generation_prompt=True, return_dict=True
+                prompt_messages(p, system), tokenize=True, add_generation_prompt=True, return_dict=True
             )["input_ids"]
         )
         for p in prompts

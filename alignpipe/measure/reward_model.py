@@ -3,7 +3,7 @@ stage and evaluate both apply them."""
 
 from __future__ import annotations
 
-from alignpipe.measure.generation import user_turn
+from alignpipe.measure.generation import model_system_prompt, prompt_messages
 from alignpipe.measure.logprobs import LOCAL_DTYPE
 
 
@@ -22,12 +22,14 @@ class RewardModelScorer:
             # The head reads the last non-pad token; it must know which id is padding.
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.batch_size = batch_size
+        # The RM reads conversations as it was trained on them: with its stage's system turn.
+        self.system = model_system_prompt(path)
 
     def texts(self, prompts: list[str], completions: list[str]) -> list[str]:
         """The conversation as the RM saw it in training: the chat template over user + assistant turns."""
         return [
             self.tokenizer.apply_chat_template(
-                [*user_turn(p), {"role": "assistant", "content": c}], tokenize=False
+                [*prompt_messages(p, self.system), {"role": "assistant", "content": c}], tokenize=False
             )
             for p, c in zip(prompts, completions, strict=True)
         ]

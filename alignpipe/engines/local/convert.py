@@ -159,24 +159,33 @@ def cast(model, dtype: str | None):
 
 
 def verify_export(
-    export_dir: Path, source_model, prompts: list[str], settings: dict[str, Any], cast_to: str | None
+    export_dir: Path,
+    source_model,
+    prompts: list[str],
+    settings: dict[str, Any],
+    cast_to: str | None,
+    system: str | None = None,
 ) -> dict[str, Any]:
-    """Load the export offline as a user would, generate, and compare logits with the source."""
+    """Load the export offline as a user would, generate, and compare logits with the source,
+    prompting as the model was trained (``system``: its system prompt)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from alignpipe.measure.generation import generate, user_turn
+    from alignpipe.measure.generation import generate, prompt_messages
 
     model = AutoModelForCausalLM.from_pretrained(export_dir, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(export_dir, local_files_only=True)
     model.eval()
     max_new = int(settings.get("max_new_tokens", 12))
-    texts = generate(model, tokenizer, prompts, max_new_tokens=max_new, temperature=0.0)
-    source_texts = generate(source_model, tokenizer, prompts, max_new_tokens=max_new, temperature=0.0)
+    texts = generate(model, tokenizer, prompts, max_new_tokens=max_new, temperature=0.0, system=system)
+    source_texts = generate(
+        source_model, tokenizer, prompts, max_new_tokens=max_new, temperature=0.0, system=system
+    )
 
     tokenizer.padding_side = "left"
     chats = [
-        tokenizer.apply_chat_template(user_turn(p), tokenize=False, add_generation_prompt=True) + t
+        tokenizer.apply_chat_template(prompt_messages(p, system), tokenize=False, add_generation_prompt=True)
+        + t
         for p, t in zip(prompts, source_texts, strict=True)
     ]
     enc = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -292,8 +301,18 @@ def model_card(
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         f'tok = AutoTokenizer.from_pretrained("exports/{ctx.source}", local_files_only=True)',
         f'model = AutoModelForCausalLM.from_pretrained("exports/{ctx.source}", local_files_only=True)',
-        'chat = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,',
-        '                               return_tensors="pt", return_dict=True)',
+        *(
+            [f"SYSTEM = {manifest['system_prompt']!r}  # the system prompt it was trained with"]
+            if manifest.get("system_prompt")
+            else []
+        ),
+        "messages = "
+        + (
+            '[{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}]'
+            if manifest.get("system_prompt")
+            else '[{"role": "user", "content": PROMPT}]'
+        ),
+        'chat = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)',
         "out = model.generate(**chat)  # sampling defaults: generation_config.json",
         "```",
         "",
@@ -388,7 +407,8 @@ def run(ctx: StageContext) -> None:
             for name in (SAMPLES_FILE, MEASURES_FILE):
                 if (ctx.input("checkpoint") / name).is_file():
                     shutil.copyfile(ctx.input("checkpoint") / name, out / name)
-        verification = verify_export(out, model, prompts, verify, cast_to)
+        system = manifest.get("system_prompt")
+        verification = verify_export(out, model, prompts, verify, cast_to, system)
         write_text_atomic(
             out / "README.md", model_card(ctx, manifest, source_hash, verification, final_dtype)
         )
@@ -403,6 +423,7 @@ def run(ctx: StageContext) -> None:
                 }
             },
             metrics=manifest.get("metrics") or {},
+            system_prompt=system,
             extra={
                 "source": {k: manifest.get(k) for k in ("stage", "engine", "format", "image", "inputs")},
                 "dtype": final_dtype,

@@ -122,7 +122,7 @@ def measure_policy(
         kl, judges.reused = kl["value"], judges.reused + 1
     else:
         max_new = int(settings.get("max_new_tokens", 16))
-        kl = kl_to_reference(model, judges.reference_model, tok, prompts, completions, max_new)
+        kl = kl_to_reference(model, judges.reference_model, tok, prompts, completions, max_new, held.system)
     metrics = {
         "heldout_accuracy": acc["accuracy"],
         "rm_score": sum(scores) / len(scores) if scores else None,

@@ -28,7 +28,7 @@ from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, training
 from alignpipe.errors import NoLearningSignal, UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
-from alignpipe.measure.generation import user_turn
+from alignpipe.measure.generation import prompt_messages
 from alignpipe.measure.heldout import (
     heldout_settings,
     log_heldout,
@@ -311,10 +311,11 @@ def grpo_args(ctx: StageContext, output_dir: Path) -> dict[str, Any]:
     return args
 
 
-def conversational(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Prepared rows -> TRL conversational prompts, with the columns rewards need kept."""
+def conversational(rows: list[dict[str, Any]], system: str | None = None) -> list[dict[str, Any]]:
+    """Prepared rows -> TRL conversational prompts (after the stage's system turn, if any), with
+    the columns rewards need kept."""
     keep = [c for c in RewardFn.columns if any(c in r for r in rows)]
-    return [{"prompt": user_turn(r["prompt"]), **{c: r.get(c) for c in keep}} for r in rows]
+    return [{"prompt": prompt_messages(r["prompt"], system), **{c: r.get(c) for c in keep}} for r in rows]
 
 
 # ----------------------------------------------------------------------------- run
@@ -344,13 +345,15 @@ def run_grpo(
     tokenizer.padding_side = "left"  # TRL generates from left-padded prompts
 
     train_rows = read_jsonl(ctx.root / get_path(cfg, data_key))
-    train = Dataset.from_list(conversational(train_rows))
+    train = Dataset.from_list(conversational(train_rows, ctx.system_prompt))
     val_path = get_path(cfg, "data.validation.data_path")
     val = None
     if val_path and int(get_path(cfg, "grpo.val_period", 0) or 0):
         val_rows = read_jsonl(ctx.root / val_path)
         limit = get_path(cfg, "grpo.max_val_samples")
-        val = Dataset.from_list(conversational(val_rows[: int(limit)] if limit else val_rows))
+        val = Dataset.from_list(
+            conversational(val_rows[: int(limit)] if limit else val_rows, ctx.system_prompt)
+        )
 
     args = GRPOConfig(**grpo_args(ctx, ctx.scratch_dir))
     reward_fn.guard = ZeroRewardGuard(
@@ -387,7 +390,9 @@ def run_grpo(
     heldout = log_heldout(live, tokenizer, samples)
     ref = log_heldout(live, tokenizer, ref_samples, suffix="_reference")
     max_new = int(heldout_settings(ctx).get("max_new_tokens", 16))
-    kl = kl_to_reference(policy, reference, tokenizer, samples.prompts, samples.completions, max_new)
+    kl = kl_to_reference(
+        policy, reference, tokenizer, samples.prompts, samples.completions, max_new, samples.system
+    )
     live.summary.setdefault("heldout", {})["kl_to_reference"] = kl
     # The hash lineage already took (ctx.input_hashes is cached): no second pass over the files.
     measures = {"kl_to_reference": {"model": ctx.input_hashes["policy"]["hash"], "value": kl}}

@@ -36,7 +36,8 @@ def publish_model(
         for name, text in (files or {}).items():
             write_text_atomic(out / name, text)
         write_record(out, ctx, type="checkpoint_hf", format="hf", metrics=metrics, extra=extra,
-                     source_model=source_model or ctx.source_model)  # fmt: skip
+                     source_model=source_model or ctx.source_model,
+                     system_prompt=ctx.system_prompt)  # fmt: skip
     return final
 
 
@@ -51,6 +52,7 @@ def write_record(out: Path, ctx: StageContext, *, type: str, format: str, **fiel
 
 
 def write_hf_manifest(out: Path, ctx: StageContext, **fields: Any) -> None:
-    """artifact.json of an HF checkpoint directory this engine wrote."""
+    """artifact.json of an HF checkpoint directory this engine wrote (``system_prompt``: what it
+    is to be prompted with, which measuring stages read back)."""
     fields.setdefault("source_model", ctx.source_model)
     write_manifest(out, type="checkpoint_hf", format="hf", stage=ctx.name, engine="local", **fields)

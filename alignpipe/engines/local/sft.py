@@ -12,6 +12,7 @@ from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, training
 from alignpipe.jsonl import read_jsonl
+from alignpipe.measure.generation import with_system
 from alignpipe.measure.heldout import log_heldout, sample_heldout, samples_file
 from alignpipe.measure.logprobs import LOCAL_DTYPE
 from alignpipe.measure.metrics import local_keys
@@ -26,13 +27,13 @@ def resolve_model_path(ctx: StageContext, name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
-def to_prompt_completion(rows: list[dict]) -> list[dict]:
-    """OpenAI ``messages`` -> TRL conversational prompt/completion (loss on the completion)."""
-    out = []
-    for row in rows:
-        messages = row["messages"]
-        out.append({"prompt": messages[:-1], "completion": messages[-1:]})
-    return out
+def to_prompt_completion(rows: list[dict], system: str | None = None) -> list[dict]:
+    """OpenAI ``messages`` -> TRL conversational prompt/completion (loss on the completion), after
+    the stage's system turn (``system``) unless the row has its own."""
+    return [
+        {"prompt": with_system(row["messages"][:-1], system), "completion": row["messages"][-1:]}
+        for row in rows
+    ]
 
 
 def run(ctx: StageContext) -> None:
@@ -59,11 +60,16 @@ def run(ctx: StageContext) -> None:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(ctx, import_from), local_files_only=True)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=LOCAL_DTYPE)
+        system = ctx.system_prompt
         train = Dataset.from_list(
-            to_prompt_completion(read_jsonl(ctx.root / cfg["data"]["train"]["data_path"]))
+            to_prompt_completion(read_jsonl(ctx.root / cfg["data"]["train"]["data_path"]), system)
         )
         val_path = get_path(cfg, "data.validation.data_path")
-        val = Dataset.from_list(to_prompt_completion(read_jsonl(ctx.root / val_path))) if val_path else None
+        val = (
+            Dataset.from_list(to_prompt_completion(read_jsonl(ctx.root / val_path), system))
+            if val_path
+            else None
+        )
         if val is not None and get_path(cfg, "sft.val_batches"):
             n = int(cfg["sft"]["val_batches"]) * int(cfg["sft"].get("val_global_batch_size", 32))
             val = val.select(range(min(n, len(val))))

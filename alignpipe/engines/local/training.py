@@ -18,7 +18,7 @@ from alignpipe.engines.local import live_log, publish
 from alignpipe.engines.local.live_log import replay_history
 from alignpipe.errors import UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
-from alignpipe.measure.generation import user_turn
+from alignpipe.measure.generation import prompt_messages
 
 # ----------------------------------------------------------------------------- guards
 
@@ -272,15 +272,17 @@ def preference_pairs(
     prompt_key: str = "prompt",
     chosen_key: str = "chosen",
     rejected_key: str = "rejected",
+    system: str | None = None,
 ) -> list[dict[str, list[dict[str, str]]]]:
     """Prepared preference rows -> TRL's conversational preference format.
 
-    Conversational, so the chat template wraps prompt and answers exactly as in SFT.
-    The keys are NeMo-RL's ``data.default.{prompt,chosen,rejected}_key``.
+    Conversational, so the chat template wraps prompt and answers exactly as in SFT, after the
+    stage's system turn (``system``) when it has one. The keys are NeMo-RL's
+    ``data.default.{prompt,chosen,rejected}_key``.
     """
     return [
         {
-            "prompt": user_turn(row[prompt_key]),
+            "prompt": prompt_messages(row[prompt_key], system),
             "chosen": [{"role": "assistant", "content": row[chosen_key]}],
             "rejected": [{"role": "assistant", "content": row[rejected_key]}],
         }
@@ -292,9 +294,10 @@ def preference_splits(ctx: StageContext, algo: str) -> tuple[list[dict], list[di
     """Train and validation pairs of a preference stage; validation capped at
     ``<algo>.val_batches x val_global_batch_size`` pairs (``-1``: all, as in NeMo-RL)."""
     cfg = ctx.config
-    keys = {
+    keys: dict[str, Any] = {
         f"{k}_key": get_path(cfg, f"data.default.{k}_key", k) or k for k in ("prompt", "chosen", "rejected")
     }
+    keys["system"] = ctx.system_prompt
     train = preference_pairs(read_jsonl(ctx.root / cfg["data"]["train"]["data_path"]), **keys)
     val_path = get_path(cfg, "data.validation.data_path")
     val = preference_pairs(read_jsonl(ctx.root / val_path), **keys) if val_path else []

@@ -215,7 +215,7 @@ def heldout_for(ctx, model_dir: Path) -> dict[str, float] | None:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
-    return heldout_accuracy(model, tokenizer, rows, settings)
+    return heldout_accuracy(model, tokenizer, rows, settings, system=ctx.system_prompt)
 
 
 def _port(ctx, types: tuple[str, ...]):
@@ -273,6 +273,7 @@ def publish(
             metrics=summary,
             image=ctx.runtime.get("image"),
             source_model=ctx.source_model,
+            system_prompt=ctx.system_prompt,
             extra={
                 "nemo_rl": {
                     "version": "0.7.0",
