@@ -111,9 +111,9 @@ def test_judge_mode_runs_and_counts_unparseable_verdicts(rlhf_repo, tmp_path):
     assert "rm_score" in metrics["heldout"]  # the RM still measures the held-out answers
 
 
-def test_evaluate_reuses_what_rlhf_measured_and_it_equals_measuring_again(rlhf_repo, tmp_path):
-    """rlhf publishes its held-out KL and per-sample RM scores with the samples; evaluate takes
-    them (the export carries them) when they name its own reference and reward model."""
+def test_evaluate_reuses_what_rlhf_and_rm_measured_and_it_equals_measuring_again(rlhf_repo, tmp_path):
+    """rlhf publishes its held-out KL and per-sample RM scores with the samples, and rm its scores
+    of the SFT reference's samples; rlhf and evaluate take them when they name the same models."""
     root = tmp_path / "repo"
     shutil.copytree(rlhf_repo, root)
     run_cli(root, "run", "convert", "--source", "rlhf")
@@ -124,16 +124,21 @@ def test_evaluate_reuses_what_rlhf_measured_and_it_equals_measuring_again(rlhf_r
 
     def evaluate() -> tuple[str, dict]:
         outcome = run_cli(root, "run", "evaluate").stdout
-        return outcome, json.loads((root / "results/evaluate/metrics.json").read_text())["policies"]["rlhf"]
+        return outcome, json.loads((root / "results/evaluate/metrics.json").read_text())["policies"]
 
     outcome, reused = evaluate()
-    assert "measures reused 2" in outcome  # rlhf's KL to models/sft and its RM scores
+    # rlhf's KL to models/sft and its RM scores; rm's scores of models/sft's samples.
+    assert "measures reused 3" in outcome
+    assert (root / "models/rm/reference_rm_scores.json").is_file()
     held = json.loads((root / "results/rlhf/metrics.json").read_text())["heldout"]
-    assert reused["kl_to_sft"] == held["kl_to_reference"]
-    assert reused["rm_score"] == pytest.approx(held["rm_score"], rel=1e-12)
+    assert reused["rlhf"]["kl_to_sft"] == held["kl_to_reference"]
+    assert reused["rlhf"]["rm_score"] == pytest.approx(held["rm_score"], rel=1e-12)
+    assert reused["sft"]["rm_score"] == pytest.approx(held["rm_score_reference"], rel=1e-12)
 
     (root / "exports/rlhf/heldout_measures.json").unlink()
+    (root / "models/rm/reference_rm_scores.json").unlink()
     outcome, measured = evaluate()
     assert "measures reused 0" in outcome
-    assert measured["kl_to_sft"] == pytest.approx(reused["kl_to_sft"], rel=1e-5)
-    assert measured["rm_score"] == pytest.approx(reused["rm_score"], rel=1e-5)
+    for name in ("sft", "rlhf"):
+        assert measured[name]["kl_to_sft"] == pytest.approx(reused[name]["kl_to_sft"], rel=1e-5)
+        assert measured[name]["rm_score"] == pytest.approx(reused[name]["rm_score"], rel=1e-5)

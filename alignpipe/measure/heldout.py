@@ -114,20 +114,52 @@ def load_measures(model_dir: Path | str, samples: HeldoutSamples) -> dict[str, d
     return found
 
 
+SCORES_FILE = "reference_rm_scores.json"
+
+
+def scores_file(policy_hash: str, samples: HeldoutSamples, scores: list[float]) -> dict[str, str]:
+    """``{SCORES_FILE: text}`` for a reward model's directory: its scores of the held-out samples
+    its starting policy (the SFT reference, DVC hash ``policy_hash``) published. The rm stage
+    writes them once; rlhf and evaluate, which need the reference's RM scores, reuse them."""
+    return {SCORES_FILE: json.dumps({"policy": policy_hash, "key": samples.key, "scores": scores}) + "\n"}
+
+
+def load_scores(rm_dir: Path | str, policy_hash: str, samples: HeldoutSamples) -> list[float] | None:
+    """The scores ``rm_dir`` published for exactly these samples of that policy, else None."""
+    path = Path(rm_dir) / SCORES_FILE
+    if not path.is_file():
+        return None
+    found = json.loads(path.read_text())
+    if found.get("policy") != policy_hash or found.get("key") != samples.key:
+        return None
+    return found["scores"]
+
+
+def published_samples(ctx: StageContext, model_dir: Path | str) -> HeldoutSamples | None:
+    """The held-out samples ``model_dir`` carries for this stage's prompts and settings, asked
+    with the system prompt that model was trained with; None when it carries none that match."""
+    settings = heldout_settings(ctx)
+    rows = heldout_rows(ctx, settings)
+    system = model_system_prompt(model_dir)
+    key = sampling_key(rows, settings, system)
+    if (cached := load_samples(Path(model_dir), key, len(rows))) is None:
+        return None
+    return HeldoutSamples(rows, cached, key, reused=True, system=system)
+
+
 def sample_heldout(
     ctx: StageContext, model, tokenizer, model_dir: Path | str | None = None
 ) -> HeldoutSamples:
     """This model's held-out samples: reused from ``model_dir`` when it carries them for these
     prompts and settings, drawn (seeded) otherwise. A published model (``model_dir``) is asked
     with the system prompt it was trained with; the stage's own policy with the stage's."""
+    if model_dir is not None and (held := published_samples(ctx, model_dir)) is not None:
+        return held
     settings = heldout_settings(ctx)
     rows = heldout_rows(ctx, settings)
     system = model_system_prompt(model_dir) if model_dir is not None else ctx.system_prompt
-    key = sampling_key(rows, settings, system)
-    if model_dir is not None and (cached := load_samples(Path(model_dir), key, len(rows))) is not None:
-        return HeldoutSamples(rows, cached, key, reused=True, system=system)
     completions = heldout_completions(model, tokenizer, rows, settings, system)
-    return HeldoutSamples(rows, completions, key, system=system)
+    return HeldoutSamples(rows, completions, sampling_key(rows, settings, system), system=system)
 
 
 def heldout_completions(

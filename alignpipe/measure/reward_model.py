@@ -3,6 +3,8 @@ stage and evaluate both apply them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from alignpipe.measure.generation import model_system_prompt, prompt_messages
 from alignpipe.measure.logprobs import LOCAL_DTYPE
 
@@ -10,20 +12,26 @@ from alignpipe.measure.logprobs import LOCAL_DTYPE
 class RewardModelScorer:
     """Scores (prompt, completion) pairs with a sequence-classification reward model."""
 
-    def __init__(self, path: str, batch_size: int = 128) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, local_files_only=True, dtype=LOCAL_DTYPE
-        )
+    def __init__(self, model, tokenizer, system: str | None = None, batch_size: int = 128) -> None:
+        self.model, self.tokenizer = model, tokenizer
         self.model.eval()
         if self.model.config.pad_token_id is None:
             # The head reads the last non-pad token; it must know which id is padding.
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        # The RM reads conversations as it was trained on them: after its stage's system turn.
+        self.system = system
         self.batch_size = batch_size
-        # The RM reads conversations as it was trained on them: with its stage's system turn.
-        self.system = model_system_prompt(path)
+
+    @classmethod
+    def load(cls, path: str | Path, batch_size: int = 128) -> RewardModelScorer:
+        """A published reward model, with the system prompt it was trained with."""
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, local_files_only=True, dtype=LOCAL_DTYPE
+        )
+        return cls(model, tokenizer, model_system_prompt(path), batch_size)
 
     def texts(self, prompts: list[str], completions: list[str]) -> list[str]:
         """The conversation as the RM saw it in training: the chat template over user + assistant turns."""

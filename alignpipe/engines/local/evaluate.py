@@ -49,6 +49,7 @@ from alignpipe.measure.heldout import (
     heldout_rows,
     heldout_settings,
     load_measures,
+    load_scores,
     sample_heldout,
 )
 from alignpipe.measure.logprobs import kl_to_reference, load_policy
@@ -188,7 +189,7 @@ def run(ctx: StageContext) -> None:
         reference,
         ref_model,
         dvc_hash(ref_path),
-        RewardModelScorer(str(ctx.root / rm_path)) if rm_path else None,
+        RewardModelScorer.load(ctx.root / rm_path) if rm_path else None,
         dvc_hash(ctx.root / rm_path) if rm_path else None,
     )
 
@@ -206,6 +207,11 @@ def run(ctx: StageContext) -> None:
         # The samples the training stage drew and published with the model, when they match.
         held = sample_heldout(ctx, model, tok, model_dir=ctx.root / entry["path"])
         known = load_measures(ctx.root / entry["path"], held) if held.reused else {}
+        if name == reference and rm_path:
+            # The rm stage scored the reference's samples when it published the reward model.
+            scores = load_scores(ctx.root / rm_path, judges.reference_hash, held)
+            if scores is not None:
+                known = {**known, "rm_score": {"model": judges.scorer_hash, "scores": scores}}
         measured, policy_samples = measure_policy(name, model, tok, judges, held, settings, known)
         reused += held.reused
         policies[name] = {"path": entry["path"], **measured}

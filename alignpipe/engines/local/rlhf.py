@@ -29,7 +29,7 @@ from alignpipe.context import StageContext
 from alignpipe.engines.local import grpo
 from alignpipe.engines.local.judge import JudgeConfig, judge_rewards, load_judge
 from alignpipe.errors import ConfigError, UnsupportedSetting
-from alignpipe.measure.heldout import HeldoutSamples
+from alignpipe.measure.heldout import HeldoutSamples, load_scores
 from alignpipe.measure.reward_model import RewardModelScorer, hacking_suspected
 
 REWARD_SOURCES = ("rm", "judge")
@@ -105,7 +105,10 @@ def heldout_rm_metrics(
     The policy's per-sample scores go into ``measures``, published with its samples."""
     pol_scores = scorer(samples.prompts, samples.completions)
     measures["rm_score"] = {"model": ctx.input_hashes["reward_model"]["hash"], "scores": pol_scores}
-    ref_scores = scorer(reference.prompts, reference.completions)
+    # The rm stage scored the SFT reference's samples when it published: reuse them if these are those.
+    ref_scores = load_scores(ctx.input("reward_model"), ctx.input_hashes["policy"]["hash"], reference)
+    if ref_scores is None:
+        ref_scores = scorer(reference.prompts, reference.completions)
     out = {
         "rm_score": sum(pol_scores) / max(1, len(pol_scores)),
         "rm_score_reference": sum(ref_scores) / max(1, len(ref_scores)),
@@ -133,7 +136,7 @@ def run(ctx: StageContext) -> None:
     rm_path = ctx.input("reward_model")
     if not (rm_path / "config.json").is_file():
         raise ConfigError(f"rlhf: no reward model at {rm_path}; run the rm stage first (`dvc repro rm`)")
-    scorer = RewardModelScorer(str(rm_path))
+    scorer = RewardModelScorer.load(rm_path)
     scaling = get_path(cfg, "grpo.reward_scaling")
     if source == "rm":
         reward = grpo.RewardFn(

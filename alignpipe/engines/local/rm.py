@@ -34,8 +34,10 @@ from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, training
 from alignpipe.errors import UnsupportedSetting
+from alignpipe.measure.heldout import published_samples, scores_file
 from alignpipe.measure.logprobs import LOCAL_DTYPE
 from alignpipe.measure.metrics import local_keys
+from alignpipe.measure.reward_model import RewardModelScorer
 
 # trainer / validation log key -> pipeline metric name (same names on the NeMo-RL engine)
 METRICS = local_keys("rm")  # TRL log key -> pipeline metric (measure/metrics.py)
@@ -121,6 +123,18 @@ def load_reward_model(path: str, tokenizer):
     return model
 
 
+def reference_scores(ctx: StageContext, model, tokenizer) -> dict[str, str]:
+    """This RM's scores of the held-out samples its starting policy (models/sft) published, to
+    publish with it: rlhf and evaluate both need the SFT reference's RM scores, and would otherwise
+    each score the same samples with the same model again. Nothing when models/sft carries no
+    samples for these held-out settings (then they score them themselves)."""
+    held = published_samples(ctx, ctx.input("policy"))
+    if held is None:
+        return {}
+    scores = RewardModelScorer(model, tokenizer, ctx.system_prompt)(held.prompts, held.completions)
+    return scores_file(ctx.input_hashes["policy"]["hash"], held, scores)
+
+
 def run(ctx: StageContext) -> None:
     # Refuse impossible settings before the (slow) ML imports.
     training.refuse_gpu_only_settings(ctx)
@@ -169,7 +183,8 @@ def run(ctx: StageContext) -> None:
     model = training.train_then_validate(ctx, trainer, live, METRICS, validation, "rm", bool(val_pairs))
 
     extra = {"reward_model_type": "bradley_terry"}
-    metrics = training.publish_trained(ctx, "reward_model", model, tokenizer, live, extra=extra)
+    files = reference_scores(ctx, model, tokenizer)
+    metrics = training.publish_trained(ctx, "reward_model", model, tokenizer, live, extra=extra, files=files)
     acc = metrics.get("val/pairwise_accuracy")
     console.outcome(
         "rm", {"val/pairwise_accuracy": acc}, ctx.output("reward_model").relative_to(ctx.root), ctx.started
