@@ -3,11 +3,11 @@
 # prep -> base -> sft -> rm -> dpo in a throwaway copy of the repo (never in the shared tree),
 # then prints the acceptance figures and each stage's wall/CPU time and trainer runtime.
 #
-# Usage: benchmarks/preference_stages.sh [WORKDIR]   (default /tmp/alignpipe-pref-bench)
+# Usage: benchmarks/preference_stages.sh [WORKDIR]   (default: a new directory from mktemp -d)
 # Results of a measured run: benchmarks/preference_stages.md
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
-work="${1:-/tmp/alignpipe-pref-bench}"
+work="${1:-$(mktemp -d -t alignpipe-pref-bench.XXXXXX)}"
 py="${PYTHON:-$here/.venv/bin/python}"
 rm -rf "$work"
 "$py" -c "import sys; sys.path.insert(0, '$here'); from pathlib import Path; from tests.conftest import copy_repo; copy_repo(Path('$work/repo'))"

@@ -7,7 +7,8 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 py="${PYTHON:-$here/.venv/bin/python}"
-work="${BENCH_WORKDIR:-/tmp/alignpipe-bench}"
+# Scratch copies of the repo: BENCH_WORKDIR, else a new directory under the system temp dir.
+work="${BENCH_WORKDIR:-$(mktemp -d -t alignpipe-bench.XXXXXX)}"
 mkdir -p "$here/benchmarks/results"
 
 if [ -z "${BENCH_SKIP_PIPELINE:-}" ]; then

@@ -53,6 +53,22 @@ def with_default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def start_like_a_stage(
+    argv: list[str], log: Path, *, under_dvc: bool, cwd: Path | None = None
+) -> subprocess.Popen:
+    """Start ``argv`` in its own session with Ctrl-C deliverable, output to ``log``: directly, or
+    (``under_dvc``) below ``DVC_LIKE_PARENT``, for the tests that interrupt a launcher."""
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [*DVC_LIKE_PARENT, *argv] if under_dvc else argv,
+            cwd=cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=with_default_sigint,
+        )
+
+
 def project_files(root: Path = REPO) -> list[str]:
     """Tracked files plus new, not-ignored ones: what a clone of this work would hold."""
     out = subprocess.run(

@@ -27,7 +27,7 @@ import pytest
 
 from alignpipe.errors import ConfigError
 from alignpipe.launch.container import ContainerLauncher, container_name
-from tests.conftest import DVC_LIKE_PARENT, OFFLINE, REPO, copy_repo, with_default_sigint
+from tests.conftest import OFFLINE, REPO, copy_repo, start_like_a_stage
 
 CACHE = Path.home() / ".cache" / "alignpipe" / "container"
 ROOTFS_TAR = CACHE / "bookworm-python-libs.tar"
@@ -304,16 +304,7 @@ def test_interrupt_stops_the_container(
     )
     argv = [sys.executable, "-c", script]
     log = tmp_path / "launcher.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [*DVC_LIKE_PARENT, *argv] if to_parent else argv,
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            preexec_fn=with_default_sigint,
-        )
+    proc = start_like_a_stage(argv, log, under_dvc=to_parent, cwd=REPO)
     try:
         deadline = time.monotonic() + 120
         while not _names(name):

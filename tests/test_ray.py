@@ -25,7 +25,7 @@ from alignpipe.errors import AlignpipeError, ConfigError  # noqa: E402
 from alignpipe.launch import get_launcher  # noqa: E402
 from alignpipe.launch.ray_jobs import RayJobLauncher, RaySettings, exit_code  # noqa: E402
 from tests.clusters import RayCluster, stage_env, stage_root, wait_until  # noqa: E402
-from tests.conftest import DVC_LIKE_PARENT, with_default_sigint  # noqa: E402
+from tests.conftest import start_like_a_stage  # noqa: E402
 
 # The cluster fixture (ray_cluster) lives in tests/clusters.py.
 pytest_plugins = ["tests.clusters"]
@@ -112,14 +112,7 @@ def test_interrupting_the_stage_stops_the_job(
     log = tmp_path / "watcher.log"
     client = ray_cluster.client()
     argv = [sys.executable, "-c", WATCHER, str(tmp_path), ray_cluster.address]
-    with log.open("w") as f:
-        watcher = subprocess.Popen(
-            [*DVC_LIKE_PARENT, *argv] if to_parent else argv,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=with_default_sigint,
-        )
+    watcher = start_like_a_stage(argv, log, under_dvc=to_parent)
     try:
         found: dict[str, str] = {}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_cli, set_params, writable_copy
-from tests.test_rlvr import curve
+from tests.test_rlvr import GRPO_TRAIN_METRICS, curve
 
 pytestmark = pytest.mark.slow
 
@@ -51,18 +51,7 @@ def test_rlhf_reports_rm_scores_against_the_sft_reference(rlhf_repo):
     assert held["reward_hacking_suspected"] in (0.0, 1.0)
     flagged = "reward hacking suspected" in (rlhf_repo / "rlhf.stderr").read_text()
     assert flagged == (held["reward_hacking_suspected"] == 1.0)
-    for key in (
-        "reward_mean",
-        "reward_std",
-        "frac_zero_std_groups",
-        "kl",
-        "response_length_mean",
-        "truncated_fraction",
-        "entropy",
-        "loss",
-        "rm_score",
-        "verifier_accuracy",
-    ):
+    for key in (*GRPO_TRAIN_METRICS, "rm_score"):
         assert isinstance(metrics["train"][key], float), key
     assert curve(rlhf_repo, "rlhf", "train/kl")[-1] > 0  # beta > 0 and the policy moved
 

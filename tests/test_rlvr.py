@@ -54,19 +54,23 @@ def test_training_raises_reward_and_moves_away_from_sft(rlvr_repo):
     assert kl[-1] > 0  # beta > 0: the policy drifted from the reference and it is measured
 
 
+# What an operator reads off every GRPO stage's results/<stage>/metrics.json "train" section.
+GRPO_TRAIN_METRICS = (
+    "reward_mean",
+    "reward_std",
+    "frac_zero_std_groups",
+    "kl",
+    "response_length_mean",
+    "truncated_fraction",
+    "entropy",
+    "loss",
+    "verifier_accuracy",
+)
+
+
 def test_metrics_json_has_every_operator_metric(rlvr_repo):
     metrics = json.loads((rlvr_repo / "results/rlvr/metrics.json").read_text())
-    for key in (
-        "reward_mean",
-        "reward_std",
-        "frac_zero_std_groups",
-        "kl",
-        "response_length_mean",
-        "truncated_fraction",
-        "entropy",
-        "loss",
-        "verifier_accuracy",
-    ):
+    for key in GRPO_TRAIN_METRICS:
         assert isinstance(metrics["train"][key], float), key
     assert 0.0 <= metrics["train"]["frac_zero_std_groups"] <= 1.0
     held = metrics["heldout"]

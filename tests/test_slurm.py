@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -26,12 +27,13 @@ from alignpipe.errors import AlignpipeError, ConfigError  # noqa: E402
 from alignpipe.launch import get_launcher  # noqa: E402
 from alignpipe.launch.slurm import SlurmLauncher, SlurmSettings, job_exit_code  # noqa: E402
 from tests.clusters import SlurmCluster, free_ports, stage_env, stage_root, wait_until  # noqa: E402
-from tests.conftest import DVC_LIKE_PARENT, with_default_sigint  # noqa: E402
+from tests.conftest import start_like_a_stage  # noqa: E402
 
 # The cluster fixtures (slurm_cluster, slurm) live in tests/clusters.py.
 pytest_plugins = ["tests.clusters"]
 # Every wait inside is bounded; this is the backstop if a cluster hangs.
 pytestmark = pytest.mark.timeout(900)
+RAY_TEMP = os.path.join(tempfile.gettempdir(), "apray-slurm")
 
 # No GPUs, no time limit worth hitting; everything else as params.yaml would give it.
 CPU_JOB = {"gpus_per_node": 0, "time": "00:10:00"}
@@ -135,14 +137,7 @@ def test_interrupting_the_stage_cancels_the_job(
     """Ctrl-C, SIGTERM, or SIGTERM to a dvc-like parent that does not pass it on."""
     log = tmp_path / "watcher.log"
     argv = [sys.executable, "-c", WATCHER, str(tmp_path)]
-    with log.open("w") as f:
-        watcher = subprocess.Popen(
-            [*DVC_LIKE_PARENT, *argv] if to_parent else argv,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=with_default_sigint,
-        )
+    watcher = start_like_a_stage(argv, log, under_dvc=to_parent)
     try:
         found: dict[str, str] = {}
 
@@ -188,7 +183,8 @@ def test_two_node_job_starts_a_ray_cluster_first(slurm: SlurmCluster, tmp_path: 
             f"--ray-client-server-port={client}",
             f"--metrics-export-port={metrics}",
             f"--dashboard-agent-listen-port={agent_head}",
-            f"--temp-dir=/tmp/apray-slurm-{gcs}",
+            # Short: Ray puts AF_UNIX sockets under it (107-byte limit); tmp_path is too long.
+            f"--temp-dir={RAY_TEMP}-{gcs}",
         ],
         ray_worker_args=[*small, f"--dashboard-agent-listen-port={agent_worker}"],
     )
@@ -203,7 +199,7 @@ def test_two_node_job_starts_a_ray_cluster_first(slurm: SlurmCluster, tmp_path: 
             [sys.executable, "-c", probe], stage="raycheck", workdir=tmp_path, env={}, out=out
         )
     finally:
-        shutil.rmtree(f"/tmp/apray-slurm-{gcs}", ignore_errors=True)
+        shutil.rmtree(f"{RAY_TEMP}-{gcs}", ignore_errors=True)
     log = out.getvalue()
     assert code == 0, log
     assert slurm_launcher.last_job["nodes"] == "n[1-2]"
