@@ -150,6 +150,14 @@ class StageContext:
             if path.exists()
         }
 
+    def content_hash(self, path: Path) -> str:
+        """DVC hash of ``path``: the one lineage already took when it is an input (each input is
+        hashed once per run), else computed."""
+        for name, entry in self.input_hashes.items():
+            if Path(path).resolve() == self.inputs[name].resolve():
+                return entry["hash"]
+        return dvc_hash(path)
+
     @functools.cached_property
     def source_model(self) -> dict[str, Any] | None:
         """The starting model the input checkpoints descend from (their artifact.json

@@ -34,7 +34,6 @@ from alignpipe import console
 from alignpipe.artifacts import (
     MANIFEST,
     RESOLVED_CONFIG,
-    dvc_hash,
     read_manifest,
     staged_dir,
     write_text_atomic,
@@ -373,7 +372,7 @@ def run(ctx: StageContext) -> None:
         )
     verify = dict(export.get("verify") or {})
     manifest = source_manifest(ctx)
-    source_hash = dvc_hash(ctx.input("checkpoint"))
+    source_hash = ctx.content_hash(ctx.input("checkpoint"))
     prompts = verification_prompts(ctx, verify)
 
     workdir = ctx.scratch_dir

@@ -32,7 +32,6 @@ from typing import Any
 
 from alignpipe import console
 from alignpipe.artifacts import (
-    dvc_hash,
     staged_dir,
     write_json_atomic,
     write_text_atomic,
@@ -188,9 +187,9 @@ def run(ctx: StageContext) -> None:
     judges = Judges(
         reference,
         ref_model,
-        dvc_hash(ref_path),
+        ctx.content_hash(ref_path),
         RewardModelScorer.load(ctx.root / rm_path) if rm_path else None,
-        dvc_hash(ctx.root / rm_path) if rm_path else None,
+        ctx.content_hash(ctx.root / rm_path) if rm_path else None,
     )
 
     policies: dict[str, dict[str, Any]] = {}
