@@ -275,3 +275,66 @@ def nemo_rl_schema_python() -> Path:
 @pytest.fixture(scope="session")
 def schema_python() -> Path:
     return nemo_rl_schema_python()
+
+
+# --- NeMo-RL v0.7.0's own loss, data, advantage and environment code, run on CPU ---
+# The equivalence suite (tests/test_equivalence_*.py) imports NeMo-RL's real modules. Their
+# import closure reaches its logger backends and data plane (nemo-rl.md §12); those packages
+# run here, so they are installed for real at NeMo-RL's own uv.lock versions, in a small venv
+# layered on this one (a .pth line), which keeps torch/transformers/ray the project's own.
+NEMO_RL_RUNTIME_PINS = (
+    "pyzmq==27.1.0",
+    "wandb==0.28.0",
+    "mlflow-skinny==3.14.0",
+    "swanlab==0.7.18",
+    "soundfile==0.13.1",
+    "torchdata==0.11.0",
+    "tensordict==0.12.4",
+    "scipy==1.17.1",
+)
+
+
+def nemo_rl_runtime_python() -> Path:
+    """An interpreter that sees this venv's packages plus ``NEMO_RL_RUNTIME_PINS``; built once
+    (about 20 s from PyPI), keyed by the pins and this interpreter."""
+    import hashlib
+    import sysconfig
+
+    key = hashlib.sha256(" ".join((sys.prefix, *NEMO_RL_RUNTIME_PINS)).encode()).hexdigest()[:12]
+    venv = Path.home() / ".cache" / "alignpipe" / f"nemo-rl-runtime-venv-{key}"
+    python, done = venv / "bin" / "python", venv / ".complete"
+    if not done.is_file():
+        shutil.rmtree(venv, ignore_errors=True)  # a half-built venv from an interrupted run
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+        ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+        (Path(site) / "alignpipe_project_venv.pth").write_text("\n".join(sorted(ours)) + "\n")
+        pip = subprocess.run([str(python), "-m", "pip", "install", "-q", *NEMO_RL_RUNTIME_PINS],
+                             capture_output=True, text=True)  # fmt: skip
+        assert pip.returncode == 0, f"installing {NEMO_RL_RUNTIME_PINS} failed:\n{pip.stderr[-4000:]}"
+        done.write_text("\n".join(NEMO_RL_RUNTIME_PINS) + "\n")
+    return python
+
+
+@pytest.fixture(scope="session")
+def nemo_rl_runtime(nemo_rl_src: Path):
+    """``call(probe, payload) -> result``: runs ``tests/nemo_rl_probe.py <probe>`` on NeMo-RL's
+    source with ``payload`` (anything ``torch.save`` takes) and returns what the probe returned."""
+    import tempfile
+
+    import torch
+
+    python = nemo_rl_runtime_python()
+
+    def call(probe: str, payload, timeout: float = 600):
+        with tempfile.TemporaryDirectory(prefix="nemo-rl-probe-") as tmp:
+            src, out = Path(tmp) / "in.pt", Path(tmp) / "out.pt"
+            torch.save(payload, src)
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(nemo_rl_src), str(REPO)])}
+            proc = subprocess.run([str(python), "-m", "tests.nemo_rl_probe", probe, str(src), str(out)],
+                                  cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+            assert proc.returncode == 0, f"NeMo-RL probe '{probe}' failed:\n{proc.stderr[-6000:]}"
+            return torch.load(out, weights_only=False)
+
+    return call

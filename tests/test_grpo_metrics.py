@@ -170,24 +170,25 @@ def test_rm_reward_is_clipped_and_logs_raw_score_and_verifier_accuracy():
 @pytest.mark.parametrize("loo", [True, False])
 @pytest.mark.parametrize("normalize", [True, False])
 def test_trainer_replaces_trl_advantages_with_nemo_rl_ones(monkeypatch, loo, normalize):
-    """The advantages the loss sees are alignpipe.rewards.advantages' on the same rewards."""
+    """The advantages the loss sees are alignpipe.rewards.advantages' on the same rewards, grouped
+    by identical (left-padded) prompt tokens as NeMo-RL groups them."""
     from trl import GRPOTrainer
 
     cls = grpo.make_trainer_class()
     rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, float("nan")]
+    # Two prompts of different lengths, left-padded with 0 (also a real token id: the mask decides).
+    prompt_ids = torch.tensor([[0, 5, 6]] * 4 + [[7, 0, 6]] * 4)
+    prompt_mask = torch.tensor([[0, 1, 1]] * 4 + [[1, 1, 1]] * 4)
 
-    def fake_parent(self, inputs):
-        return {"advantages": torch.full((8,), 99.0)}  # what TRL computed: must be replaced
+    def fake_parent(self, inputs):  # what TRL computed: must be replaced
+        return {"advantages": torch.full((8,), 99.0), "prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
 
     monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", fake_parent)
     trainer = object.__new__(cls)
     fn = grpo.RewardFn(lambda *a: [])
     fn.last = rewards
     trainer.reward_funcs = [fn]
-    trainer.num_generations = trainer.num_generations_eval = 4
-    trainer.model = torch.nn.Linear(1, 1)  # .training is True: the train group size
-    trainer.normalize_rewards, trainer.leave_one_out_baseline = normalize, loo
-    trainer.advantage_clip = (None, None)
+    trainer.advantage_settings = {"normalize_rewards": normalize, "leave_one_out_baseline": loo}
     got = trainer._generate_and_score_completions(None)["advantages"]
 
     r = torch.tensor(rewards)
@@ -203,7 +204,7 @@ def test_trainer_replaces_trl_advantages_with_nemo_rl_ones(monkeypatch, loo, nor
     # Hand check, LOO without normalisation: [1,0,0,0] -> 1 - 0 = 1 and 0 - 1/3.
     if loo and not normalize:
         assert torch.allclose(got[:4], torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))
-    trainer.advantage_clip = (-0.5, 0.5)
+    trainer.advantage_settings["clip"] = (-0.5, 0.5)
     assert trainer._generate_and_score_completions(None)["advantages"].abs().max() <= 0.5
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "group_ids_from_size",
     "group_normalized_advantages",
     "leave_one_out_advantages",
+    "step_advantages",
 ]
 
 EPSILON = 1e-6  # NeMo-RL's epsilon in A / (std + eps)
@@ -131,6 +132,33 @@ def compute_grpo_advantages(
         nz = std > 0  # don't sharpen groups with no variation
         adv = torch.where(nz, adv / (std + epsilon), adv)
     return adv
+
+
+def step_advantages(
+    rewards: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    *,
+    normalize_rewards: bool,
+    leave_one_out_baseline: bool,
+    clip: tuple[float | None, float | None] = (None, None),
+) -> torch.Tensor:
+    """One GRPO step's advantages ``[B]`` as NeMo-RL v0.7.0's grpo_train computes them.
+
+    A group is every sample whose prompt token ids ``[B, S]`` are identical, so a prompt drawn
+    twice in one step forms one group of ``2G`` (NeMo-RL's ``prompt_ids_for_adv``), not two
+    blocks of ``G``. A NaN reward (unknown: a judge that failed) is left out of every baseline
+    and gets advantage 0. Then ``clamp(clip_low, clip_high)`` (``_clip_grpo_advantages``).
+    """
+    valid = ~torch.isnan(rewards)
+    adv = compute_grpo_advantages(
+        torch.nan_to_num(rewards, nan=0.0),
+        group_ids=prompt_ids,
+        valid_mask=valid,
+        normalize_rewards=normalize_rewards,
+        leave_one_out_baseline=leave_one_out_baseline,
+    )
+    adv = torch.where(valid, adv, torch.zeros_like(adv))
+    return clip_advantages(adv, *clip)
 
 
 def group_normalized_advantages(

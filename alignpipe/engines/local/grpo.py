@@ -26,7 +26,7 @@ from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, training
-from alignpipe.errors import NoLearningSignal, UnsupportedSetting
+from alignpipe.errors import ConfigError, NoLearningSignal, UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.generation import prompt_messages
 from alignpipe.measure.heldout import (
@@ -66,6 +66,10 @@ _UNSUPPORTED: list[tuple[str, tuple[Any, ...], str]] = [
 ]
 
 
+def config_file(ctx: StageContext) -> str:
+    return f"stages/{ctx.name}/config/{ctx.profile}.yaml (or params.yaml)"
+
+
 def refuse_unsupported_grpo(ctx: StageContext) -> None:
     """Fail with every GRPO setting the local engine would silently ignore, not just the first."""
     training.refuse_gpu_only_settings(ctx)
@@ -81,6 +85,38 @@ def refuse_unsupported_grpo(ctx: StageContext) -> None:
             + f"\nfix: change them in stages/{ctx.name}/config/{ctx.profile}.yaml (or params.yaml), "
             "or run on the NeMo-RL engine (runtime.engine=nemo_rl)."
         )
+
+
+def advantage_settings(cfg: dict[str, Any], where: str = "the stage's config") -> dict[str, Any]:
+    """``step_advantages`` settings read as NeMo-RL v0.7.0 reads them
+    (grpo.py ``_create_advantage_estimator``, ``_clip_grpo_advantages``): ``grpo.adv_estimator``
+    when the config has it, else the top-level keys with *its* fallbacks (normalise on,
+    leave-one-out off). Top-level keys that disagree with the section are refused: NeMo-RL
+    would silently ignore them."""
+    section = get_path(cfg, "grpo.adv_estimator")
+    if section is None:
+        section = {
+            "normalize_rewards": get_path(cfg, "grpo.normalize_rewards", True),
+            "use_leave_one_out_baseline": get_path(cfg, "grpo.use_leave_one_out_baseline", False),
+        }
+    settings = {}
+    for key in ("normalize_rewards", "use_leave_one_out_baseline"):
+        if key not in section:
+            raise ConfigError(
+                f"grpo.adv_estimator.{key} is missing (NeMo-RL's estimator requires it): set it in {where}"
+            )
+        top = get_path(cfg, f"grpo.{key}")
+        if top is not None and bool(top) != bool(section[key]):
+            raise UnsupportedSetting(
+                f"grpo.{key}={top!r} but grpo.adv_estimator.{key}={section[key]!r}: NeMo-RL v0.7.0 uses the "
+                f"adv_estimator section and ignores the top-level key; make them agree in {where}"
+            )
+        settings[key] = bool(section[key])
+    return {
+        "normalize_rewards": settings["normalize_rewards"],
+        "leave_one_out_baseline": settings["use_leave_one_out_baseline"],
+        "clip": (get_path(cfg, "grpo.advantage_clip_low"), get_path(cfg, "grpo.advantage_clip_high")),
+    }
 
 
 # ----------------------------------------------------------------------------- rewards
@@ -215,7 +251,7 @@ def make_trainer_class():
     import torch
     from trl import GRPOTrainer
 
-    from alignpipe.rewards.advantages import clip_advantages, compute_grpo_advantages
+    from alignpipe.rewards.advantages import step_advantages
 
     class AlignGRPOTrainer(GRPOTrainer):
         """GRPOTrainer whose advantages follow NeMo-RL v0.7.0 (leave-one-out baseline optional)."""
@@ -223,15 +259,11 @@ def make_trainer_class():
         def __init__(
             self,
             *args,
-            normalize_rewards: bool = True,
-            leave_one_out_baseline: bool = True,
-            advantage_clip: tuple[float | None, float | None] = (None, None),
+            advantage_settings: dict[str, Any],
             **kwargs,
         ):
             super().__init__(*args, **kwargs)
-            self.normalize_rewards = normalize_rewards
-            self.leave_one_out_baseline = leave_one_out_baseline
-            self.advantage_clip = advantage_clip
+            self.advantage_settings = advantage_settings  # see advantage_settings()
 
         def _generate_and_score_completions(self, inputs):
             output = super()._generate_and_score_completions(inputs)
@@ -242,17 +274,9 @@ def make_trainer_class():
                 raise RuntimeError(
                     f"reward function scored {rewards.shape[0]} completions but the batch has {advantages.shape[0]}"
                 )
-            group = self.num_generations if self.model.training else self.num_generations_eval
-            valid = ~torch.isnan(rewards)
-            adv = compute_grpo_advantages(
-                torch.nan_to_num(rewards, nan=0.0),
-                group,
-                valid_mask=valid,
-                normalize_rewards=self.normalize_rewards,
-                leave_one_out_baseline=self.leave_one_out_baseline,
-            )
-            adv = torch.where(valid, adv, torch.zeros_like(adv))  # unknown reward: no learning signal
-            adv = clip_advantages(adv, *self.advantage_clip)
+            # Groups by identical prompt tokens, as NeMo-RL does (padding masked out).
+            prompt_ids = output["prompt_ids"].masked_fill(output["prompt_mask"] == 0, -1).cpu()
+            adv = step_advantages(rewards, prompt_ids, **self.advantage_settings)
             output["advantages"] = adv.to(device=advantages.device, dtype=advantages.dtype)
             return output
 
@@ -300,7 +324,7 @@ def grpo_args(ctx: StageContext, output_dir: Path) -> dict[str, Any]:
         # token_level_loss: a token mean over the whole global batch (DAPO); else per-sequence means.
         loss_type="dapo" if loss.get("token_level_loss", True) else "grpo",
         # TRL's own scaling is superseded by AlignGRPOTrainer's advantages; kept consistent for its logs.
-        scale_rewards="group" if get_path(cfg, "grpo.normalize_rewards", True) else "none",
+        scale_rewards="group" if advantage_settings(cfg, config_file(ctx))["normalize_rewards"] else "none",
         mask_truncated_completions=bool(get_path(cfg, "grpo.overlong_filtering", False)),
         shuffle_dataset=bool(get_path(cfg, "data.shuffle", True)),
         num_iterations=1,
@@ -372,9 +396,7 @@ def run_grpo(
         eval_dataset=val,
         processing_class=tokenizer,
         callbacks=[live_log.make_live_callback(live, names)],
-        normalize_rewards=bool(get_path(cfg, "grpo.normalize_rewards", True)),
-        leave_one_out_baseline=bool(get_path(cfg, "grpo.use_leave_one_out_baseline", True)),
-        advantage_clip=(get_path(cfg, "grpo.advantage_clip_low"), get_path(cfg, "grpo.advantage_clip_high")),
+        advantage_settings=advantage_settings(cfg, config_file(ctx)),
     )
     training.train_resumable(ctx, trainer, live, names)
     if val is not None and get_path(cfg, "grpo.val_at_end", False):
