@@ -8,9 +8,14 @@ Nothing here re-implements NeMo-RL; each probe builds NeMo-RL's objects the way 
 code does (file and function named) and calls them. The test compares the result with the
 local engine's own functions in its own process.
 
-One adjustment, to the interpreter rather than to NeMo-RL: on Python 3.11 pydantic refuses
-``typing.TypedDict``, which NeMo-RL's config modules use (it needs 3.13); ``typing_extensions``
-has the same class with the same semantics, so it is put in its place before NeMo-RL imports.
+Two adjustments, to the machine rather than to NeMo-RL's code:
+
+* on Python 3.11 pydantic refuses ``typing.TypedDict``, which NeMo-RL's config modules use (it
+  needs 3.13); ``typing_extensions`` has the same class with the same semantics, so it is put
+  in its place before NeMo-RL imports;
+* there is no GPU: NeMo-RL's non-parallel log-prob path moves the target ids with a bare
+  ``.cuda()`` (distributed/model_utils.py ``get_next_token_logprobs_from_logits``), so
+  ``Tensor.cuda`` leaves a tensor where it is. Nothing else changes.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ typing.TypedDict = typing_extensions.TypedDict  # type: ignore[misc]
 typing.NotRequired = typing_extensions.NotRequired  # type: ignore[misc]
 
 import torch  # noqa: E402
+
+torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
 
 
 def advantages(payload: dict) -> list[torch.Tensor]:
@@ -45,7 +52,51 @@ def advantages(payload: dict) -> list[torch.Tensor]:
     return out
 
 
-PROBES = {"advantages": advantages}
+def grpo_loss(payload: dict) -> list[dict]:
+    """Per case: ``ClippedPGLossFn(ClippedPGLossConfig(**loss_fn))`` as grpo.py's setup builds it,
+    on the given full-sequence logits, fed as its training worker feeds it: logits divided by
+    the temperature, next-token log-probs by ``prepare_loss_input``, ``prev_logprobs`` from the
+    same weights (on-policy), normalised by the global valid tokens and sequences. Returns the
+    loss, its metrics and the gradient with respect to the logits."""
+    from nemo_rl.algorithms.loss import ClippedPGLossConfig, ClippedPGLossFn, prepare_loss_input
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+    from nemo_rl.distributed.model_utils import get_next_token_logprobs_from_logits
+
+    out = []
+    for case in payload["cases"]:
+        loss_fn = ClippedPGLossFn(ClippedPGLossConfig(**case["loss_fn"]))
+        logits = case["logits"].clone().requires_grad_(True)
+        scaled = logits / case["temperature"]
+        input_ids = case["input_ids"]
+        with torch.no_grad():
+            lp = get_next_token_logprobs_from_logits(input_ids=input_ids, next_token_logits=scaled)
+        zeros = torch.zeros_like(lp[:, :1])
+        prev = torch.cat([zeros, lp], dim=1)  # NeMo-RL's get_logprobs prepends 0 for token 0
+        data = BatchedDataDict(
+            {
+                "input_ids": input_ids,
+                "token_mask": case["token_mask"],
+                "sample_mask": torch.ones(input_ids.shape[0]),
+                "advantages": case["advantages"][:, None].expand(input_ids.shape).clone(),
+                "prev_logprobs": prev,
+                "generation_logprobs": prev.clone(),
+                "reference_policy_logprobs": case["reference_logprobs"],
+            }
+        )
+        loss_input, data = prepare_loss_input(scaled, data, loss_fn)
+        mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
+        loss, metrics = loss_fn(
+            data=data,
+            global_valid_seqs=data["sample_mask"].sum(),
+            global_valid_toks=mask.sum(),
+            **loss_input,
+        )
+        loss.backward()
+        out.append({"loss": loss.detach(), "metrics": metrics, "grad": logits.grad.clone()})
+    return out
+
+
+PROBES = {"advantages": advantages, "grpo_loss": grpo_loss}
 
 
 def main() -> None:

@@ -246,6 +246,40 @@ def prompt_text(prompt: Any) -> str:
 # ----------------------------------------------------------------------------- trainer
 
 
+def reference_kl(logps, ref_logps, input_clamp: float | None = 20.0, output_clamp: float | None = 10.0):
+    """Per-token k3 KL penalty ``[B, T]`` as NeMo-RL v0.7.0's ``ClippedPGLossFn`` computes it
+    (algorithms/utils.py ``calculate_kl``), so both engines follow the same gradient:
+
+    * ``logr = clamp(ref - lp, +-input_clamp)``; ``k3 = exp(logr) - 1 - logr``;
+    * times ``exp(lp - sg(lp))``: value 1, but it adds the score-function gradient of a KL
+      whose samples come from the policy itself (detached where the input clamp bites);
+    * then ``clamp(+-output_clamp)``: a token past it contributes no gradient.
+
+    TRL's own term (``use_bias_correction_kl``) has the same weight but neither clamp.
+    """
+    import torch
+
+    weight = torch.exp(logps - logps.detach())
+    logr = ref_logps - logps
+    if input_clamp is not None:
+        clamped = logr.clamp(min=-input_clamp, max=input_clamp)
+        weight = torch.where(logr == clamped, weight, weight.detach())
+        logr = clamped
+    kl = weight * (torch.exp(logr) - 1 - logr)
+    if output_clamp is not None:
+        kl = kl.clamp(min=-output_clamp, max=output_clamp)
+    return kl
+
+
+def kl_settings(cfg: dict[str, Any]) -> dict[str, float | None]:
+    """The clamps of :func:`reference_kl` from ``loss_fn`` (NeMo-RL's defaults 20 and 10; null = off)."""
+    loss = get_path(cfg, "loss_fn", {}) or {}
+    return {
+        "input_clamp": loss.get("kl_input_clamp_value", 20.0),
+        "output_clamp": loss.get("kl_output_clamp_value", 10.0),
+    }
+
+
 def make_trainer_class():
     """Built lazily so importing this module does not import TRL."""
     import torch
@@ -260,10 +294,12 @@ def make_trainer_class():
             self,
             *args,
             advantage_settings: dict[str, Any],
+            kl_settings: dict[str, Any] | None = None,
             **kwargs,
         ):
             super().__init__(*args, **kwargs)
             self.advantage_settings = advantage_settings  # see advantage_settings()
+            self.kl_settings = kl_settings or {}  # see kl_settings()
 
         def _generate_and_score_completions(self, inputs):
             output = super()._generate_and_score_completions(inputs)
@@ -279,6 +315,43 @@ def make_trainer_class():
             adv = step_advantages(rewards, prompt_ids, **self.advantage_settings)
             output["advantages"] = adv.to(device=advantages.device, dtype=advantages.dtype)
             return output
+
+        def _compute_loss(self, model, inputs):
+            """TRL's clipped policy-gradient loss without its KL term, plus NeMo-RL's KL term
+            (:func:`reference_kl`: clamped, on-policy weighted), reduced as TRL reduces the rest."""
+            beta = self.beta
+            if beta == 0.0:
+                return super()._compute_loss(model, inputs)
+            seen = {}
+            policy_logps = self._get_per_token_logps_and_entropies
+
+            def keep_logps(*args, **kwargs):
+                out = policy_logps(*args, **kwargs)
+                seen["logps"] = out[0]
+                return out
+
+            self.beta, self._get_per_token_logps_and_entropies = 0.0, keep_logps
+            try:
+                loss = super()._compute_loss(model, inputs)
+            finally:
+                self.beta = beta
+                del self._get_per_token_logps_and_entropies
+            kl = reference_kl(seen["logps"], inputs["ref_per_token_logps"], **self.kl_settings)
+            mask = inputs["completion_mask"]
+            mode = "train" if self.model.training else "eval"
+            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            if self.loss_type == "dapo":  # token mean over the generation batch (token_level_loss)
+                normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+                if mode == "train":
+                    normalizer = normalizer * accumulation / self.args.steps_per_generation
+                term = (kl * mask).sum() / normalizer
+            else:  # "grpo": token mean per sequence, then the mean over sequences
+                term = ((kl * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
+            tokens = self.accelerator.reduce(
+                torch.stack([(kl * mask).sum(), mask.sum().float()]), reduction="sum"
+            )
+            self._metrics[mode]["kl"].append((tokens[0] / tokens[1].clamp(min=1.0)).item())
+            return loss + beta * term
 
     return AlignGRPOTrainer
 
@@ -397,6 +470,7 @@ def run_grpo(
         processing_class=tokenizer,
         callbacks=[live_log.make_live_callback(live, names)],
         advantage_settings=advantage_settings(cfg, config_file(ctx)),
+        kl_settings=kl_settings(cfg),
     )
     training.train_resumable(ctx, trainer, live, names)
     if val is not None and get_path(cfg, "grpo.val_at_end", False):
