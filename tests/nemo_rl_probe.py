@@ -96,7 +96,54 @@ def grpo_loss(payload: dict) -> list[dict]:
     return out
 
 
-PROBES = {"advantages": advantages, "grpo_loss": grpo_loss}
+def rlvr_rewards(payload: dict) -> dict:
+    """The rendered rlvr config as examples/run_grpo.py runs it: alignpipe's ``register()`` (what
+    grpo_driver does before the script), a local CPU Ray, NeMo-RL's ``get_tokenizer`` and
+    ``setup_response_data`` (dataset class, processor, and the environment created by its
+    ``create_env`` as a real Ray actor), then each row's prompt plus the given completion
+    through ``rollouts.py::calculate_rewards``. Returns the rewards and what the processor made
+    of each row."""
+    import os
+
+    import ray
+
+    os.environ.pop("RAY_ADDRESS", None)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        from nemo_rl.algorithms.utils import get_tokenizer
+        from nemo_rl.data.utils import setup_response_data
+        from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+        from nemo_rl.experience.rollouts import calculate_rewards
+
+        from alignpipe.engines.nemo_rl.environment import register
+
+        register()
+        cfg = payload["config"]
+        tokenizer = get_tokenizer(cfg["policy"]["tokenizer"])
+        train, _, task_to_env, _ = setup_response_data(tokenizer, cfg["data"], cfg["env"])
+        data = [train[i] for i in range(len(train))]
+        logs = [
+            [*d["message_log"], {"role": "assistant", "content": completion}]
+            for d, completion in zip(data, payload["completions"], strict=True)
+        ]
+        batch = BatchedDataDict(
+            {
+                "message_log": logs,
+                "task_name": [d["task_name"] for d in data],
+                "extra_env_info": [d["extra_env_info"] for d in data],
+            }
+        )
+        returned = calculate_rewards(batch, task_to_env)
+        return {
+            "rewards": returned.rewards.tolist(),
+            "prompts": [d["message_log"][-1]["content"] for d in data],
+            "extra_env_info": [d["extra_env_info"] for d in data],
+        }
+    finally:
+        ray.shutdown()
+
+
+PROBES = {"advantages": advantages, "grpo_loss": grpo_loss, "rlvr_rewards": rlvr_rewards}
 
 
 def main() -> None:

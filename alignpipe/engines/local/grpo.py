@@ -133,7 +133,18 @@ class RewardFn:
     """
 
     __name__ = "reward"
-    columns: tuple[str, ...] = ("answer", "verifier", "extract", "task", "tests", "id")
+    # Every row field alignpipe.rewards reads (as the NeMo-RL environment's ROW_FIELDS), and the id.
+    columns: tuple[str, ...] = (
+        "answer",
+        "verifier",
+        "extract",
+        "tests",
+        "sandbox",
+        "abs_tol",
+        "rel_tol",
+        "task",
+        "id",
+    )
 
     def __init__(
         self,

@@ -4,10 +4,10 @@ Three pieces, each plugged in where NeMo-RL looks for it:
 
 * ``VerifiedResponseDataset`` (``data.default.dataset_name`` as a dotted path): NeMo-RL's
   ``ResponseDataset`` (``input_key: prompt``, ``output_key: answer``) that also keeps each
-  row's ``verifier`` and ``tests``, which ResponseDataset's ``format_data`` would drop.
+  row's verifier fields (``ROW_FIELDS``), which ResponseDataset's ``format_data`` would drop.
 * ``verifier_data_processor`` (registered as ``alignpipe_verifier_processor``): NeMo-RL's
   ``math_hf_data_processor`` (chat template, ``extra_env_info.ground_truth``) plus the row's
-  verifier and tests in ``extra_env_info``.
+  verifier fields in ``extra_env_info``.
 * ``VerifierEnvironment`` (``data.default.env_name: alignpipe_verifier``): a Ray actor with
   ``step`` and ``global_post_process_and_metrics`` that scores the last assistant turn with
   ``alignpipe.rewards.score_completion(s)`` (1.0 correct, 0.0 wrong).
@@ -31,7 +31,12 @@ ENV_NAME = "alignpipe_verifier"
 PROCESSOR_NAME = "alignpipe_verifier_processor"
 ACTOR_FQN = "alignpipe.engines.nemo_rl.environment.VerifierEnvironment"
 DATASET_FQN = "alignpipe.engines.nemo_rl.environment.VerifiedResponseDataset"
-ROW_FIELDS = ("verifier", "tests", "task")
+# Every row field alignpipe.rewards reads besides the answer: a field lost here scores a row
+# differently on the two engines (extract: boxed, a code row's sandbox limits, tolerances).
+ROW_FIELDS = ("verifier", "extract", "tests", "sandbox", "abs_tol", "rel_tol", "task")
+# Fields whose shape or null-ness differs between rows travel as JSON text ("" = absent), so
+# the Arrow dataset NeMo-RL builds keeps one schema.
+JSON_FIELDS = ("tests", "sandbox", "abs_tol", "rel_tol")
 
 try:  # inside the NeMo-RL image
     import ray
@@ -64,16 +69,12 @@ def row_from_env_info(info: dict[str, Any] | None) -> dict[str, Any]:
     """Rebuild the prepared-data row ``score_completion`` expects from ``extra_env_info``."""
     info = dict(info or {})
     row: dict[str, Any] = {"answer": info.get("ground_truth", info.get("answer", ""))}
-    verifier = info.get("verifier")
-    if verifier:
-        row["verifier"] = verifier
-    tests = info.get("tests")
-    if isinstance(tests, str) and tests:
-        tests = json.loads(tests)  # kept as JSON text through the Arrow dataset
-    if tests:
-        row["tests"] = tests
-    if info.get("task"):
-        row["task"] = info["task"]
+    for key in ROW_FIELDS:
+        value = info.get(key)
+        if key in JSON_FIELDS and isinstance(value, str):
+            value = json.loads(value) if value else None
+        if value not in (None, ""):
+            row[key] = value
     return row
 
 
@@ -108,11 +109,14 @@ def format_row(data: dict[str, Any], input_key: str, output_key: str, task_name:
             {"role": "assistant", "content": str(data[output_key])},
         ],
         "task_name": task_name,
-        "verifier": str(data.get("verifier") or "exact"),
-        # Tests differ in shape between rows; JSON text keeps the Arrow schema uniform.
-        "tests": json.dumps(data["tests"]) if data.get("tests") is not None else "",
-        "task": str(data.get("task") or ""),
     }
+    for key in ROW_FIELDS:
+        value = data.get(key)
+        if key in JSON_FIELDS:
+            row[key] = json.dumps(value) if value is not None else ""
+        else:
+            row[key] = str(value or "")
+    row["verifier"] = row["verifier"] or "exact"
     return row
 
 
@@ -120,7 +124,7 @@ def format_row(data: dict[str, Any], input_key: str, output_key: str, task_name:
 
 
 class VerifiedResponseDataset(ResponseDataset):  # type: ignore[misc,valid-type]
-    """ResponseDataset that keeps ``verifier``/``tests``/``task`` next to the messages."""
+    """ResponseDataset that keeps the row's ``ROW_FIELDS`` next to the messages."""
 
     def format_data(self, data: dict[str, Any]) -> dict[str, Any]:
         return format_row(data, self.input_key, self.output_key, self.task_name)

@@ -1,0 +1,84 @@
+"""RLVR rewards on both engines: the rendered config through NeMo-RL v0.7.0's own data setup
+and reward path (``setup_response_data``, its ``create_env`` Ray actor on a local CPU Ray,
+``calculate_rewards``) gives each completion the reward the local engine gives it.
+
+Rows cover every verifier kind and every row field a verifier reads (``extract: boxed``, a code
+row's tests and sandbox limits, numeric tolerances), each with a right and a wrong completion.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from alignpipe.engines.local.grpo import RewardFn
+from alignpipe.engines.local.rlvr import verifier_score
+from tests.test_nemo_rl_render import rendered
+
+ADD_TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\n"
+ROWS = [  # (row, completion): the local engine's reward is computed, not written here
+    ({"prompt": "sort 312", "answer": "123", "verifier": "exact"}, "123"),
+    ({"prompt": "sort 312", "answer": "123", "verifier": "exact"}, "321"),
+    # the whole completion is not the answer; its last box is
+    ({"prompt": "sort 312", "answer": "123", "verifier": "exact", "extract": "boxed"}, "so \\boxed{9} no \\boxed{123}"),
+    ({"prompt": "sort 312", "answer": "123", "verifier": "exact", "extract": "boxed"}, "123"),
+    ({"prompt": "add 2 3", "answer": "5", "verifier": "numeric"}, " 5.0 "),
+    ({"prompt": "add 2 3", "answer": "5", "verifier": "numeric", "abs_tol": 0.5}, "5.3"),
+    ({"prompt": "add 2 3", "answer": "5", "verifier": "numeric", "extract": "boxed"}, "it is \\boxed{5}"),
+    ({"prompt": "half of 1", "answer": "\\frac{1}{2}", "verifier": "math"}, "The answer is $\\boxed{0.5}$"),
+    ({"prompt": "half of 1", "answer": "\\frac{1}{2}", "verifier": "math"}, "The answer is $\\boxed{2}$"),
+    ({"prompt": "write add", "answer": "", "verifier": "code", "tests": ADD_TESTS,
+      "sandbox": {"timeout_s": 30.0, "cpu_s": 2, "memory_mb": 256, "nproc": 16}},
+     "def add(a, b):\n    return a + b\n"),
+    ({"prompt": "write add", "answer": "", "verifier": "code", "tests": ADD_TESTS,
+      "sandbox": {"timeout_s": 30.0, "cpu_s": 2, "memory_mb": 256, "nproc": 16}},
+     "def add(a, b):\n    return a - b\n"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from alignpipe.tiny import train_char_tokenizer
+
+    where = tmp_path_factory.mktemp("tokenizer")
+    train_char_tokenizer(["".join(chr(c) for c in range(32, 127))]).save_pretrained(where)
+    return where
+
+
+def local_rewards(profile: str, rows: list[dict], completions: list[str], tmp: Path) -> list[float]:
+    """The local rlvr stage's reward function (verifier, then the profile's shaping) on TRL's
+    conversational rollouts, as GRPOTrainer calls it."""
+    from alignpipe.config import load_params
+    from alignpipe.context import build_context
+    from tests.conftest import REPO
+
+    ctx = build_context(REPO, "rlvr", profile, params=load_params(REPO))
+    shaping = (ctx.config.get("alignpipe") or {}).get("reward_shaping") or {}
+    fn = RewardFn(verifier_score(shaping), scaling=(ctx.config.get("grpo") or {}).get("reward_scaling"))
+    columns = {c: [r.get(c) for r in rows] for c in RewardFn.columns}
+    prompts = [[{"role": "user", "content": r["prompt"]}] for r in rows]
+    return fn(
+        prompts, [[{"role": "assistant", "content": c}] for c in completions], [[0]] * len(rows), **columns
+    )
+
+
+@pytest.mark.parametrize("profile", ["tiny", "small", "default"])
+def test_rlvr_rewards_equal_through_nemo_rls_data_and_environment(
+    profile, nemo_rl_runtime, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    rows = [row for row, _ in ROWS]
+    completions = [c for _, c in ROWS]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = rendered("rlvr", profile, tmp_path)
+    cfg["data"]["train"]["data_path"] = str(data)
+    cfg["data"].pop("validation", None)
+    cfg["data"]["shuffle"] = False
+    cfg["policy"]["tokenizer"]["name"] = str(tokenizer_dir)
+    theirs = nemo_rl_runtime("rlvr_rewards", {"config": cfg, "completions": completions})
+    ours = local_rewards(profile, rows, completions, tmp_path)
+    assert theirs["rewards"] == pytest.approx(ours, abs=1e-6), list(zip(completions, theirs["rewards"], ours))
+    assert sorted(set(theirs["rewards"])) == [0.0, 1.0]  # right and wrong completions both present
+    assert [info["ground_truth"] for info in theirs["extra_env_info"]] == [r["answer"] for r in rows]
