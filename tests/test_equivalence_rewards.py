@@ -79,6 +79,31 @@ def test_rlvr_rewards_equal_through_nemo_rls_data_and_environment(
     cfg["policy"]["tokenizer"]["name"] = str(tokenizer_dir)
     theirs = nemo_rl_runtime("rlvr_rewards", {"config": cfg, "completions": completions})
     ours = local_rewards(profile, rows, completions, tmp_path)
-    assert theirs["rewards"] == pytest.approx(ours, abs=1e-6), list(zip(completions, theirs["rewards"], ours))
+    assert theirs["rewards"] == pytest.approx(ours, abs=1e-6), list(
+        zip(completions, theirs["rewards"], ours, strict=True)
+    )
     assert sorted(set(theirs["rewards"])) == [0.0, 1.0]  # right and wrong completions both present
     assert [info["ground_truth"] for info in theirs["extra_env_info"]] == [r["answer"] for r in rows]
+
+
+def test_local_only_reward_shaping_is_refused_on_the_nemo_rl_engine() -> None:
+    """NeMo-RL never sees the alignpipe: section: a shaping that changes local rewards must stop
+    a nemo_rl run (and plan --check) with NeMo-RL's equivalent named, not train unshaped."""
+    from alignpipe.config import load_params
+    from alignpipe.context import build_context
+    from alignpipe.engines.nemo_rl import engine
+    from alignpipe.errors import UnsupportedSetting
+    from tests.conftest import REPO
+
+    params = load_params(REPO)
+    params["runtime"] = {**params.get("runtime", {}), "engine": "nemo_rl"}
+    assert engine.dropped_training_knobs(build_context(REPO, "rlvr", params=params).config) == []
+    params["rlvr"] = {
+        **(params.get("rlvr") or {}),
+        "alignpipe": {"reward_shaping": {"length_penalty": 0.1, "target_length": 8}},
+    }
+    ctx = build_context(REPO, "rlvr", params=params)
+    with pytest.raises(UnsupportedSetting, match=r"length_penalty.*grpo.reward_shaping.*grpo.reward_scaling"):
+        engine.run(ctx)
+    # the local engine honours it: the same config trains there
+    assert local_rewards("tiny", [ROWS[0][0]], ["123"], REPO) == [1.0]

@@ -33,8 +33,15 @@ from alignpipe.engines.nemo_rl import convert as CV
 from alignpipe.engines.nemo_rl import preflight
 from alignpipe.engines.nemo_rl.checkpoints import Choice, select_checkpoint
 from alignpipe.engines.nemo_rl.metrics import import_metrics
-from alignpipe.engines.nemo_rl.render import PATH_KEYS, RunPaths, entry_argv, render, uses_nemo_gym
-from alignpipe.errors import AlignpipeError, ConfigError
+from alignpipe.engines.nemo_rl.render import (
+    PATH_KEYS,
+    RunPaths,
+    dropped_training_knobs,
+    entry_argv,
+    render,
+    uses_nemo_gym,
+)
+from alignpipe.errors import AlignpipeError, ConfigError, UnsupportedSetting
 
 NEMO_RL_CONFIG = "nemo_rl_config.yaml"
 DEFAULT_NEMO_RL_DIR = "/opt/nemo-rl"
@@ -302,6 +309,12 @@ def prepare(ctx, paths: RunPaths, runner: CommandRunner, workdir: Path) -> dict[
 
 
 def run(ctx, *, runner: CommandRunner = run_command) -> None:
+    dropped = dropped_training_knobs(ctx.config)
+    if dropped:
+        raise UnsupportedSetting(
+            f"stage '{ctx.name}' (profile '{ctx.profile}') on the nemo_rl engine:\n  - "
+            + "\n  - ".join(dropped)
+        )
     workdir = nemo_rl_dir(ctx)
     if not (workdir / "examples").is_dir():
         raise ConfigError(

@@ -26,7 +26,13 @@ from typing import Any
 import yaml
 
 from alignpipe.config import get_path
-from alignpipe.engines.nemo_rl.render import RunPaths, entry_argv, entry_script, render
+from alignpipe.engines.nemo_rl.render import (
+    RunPaths,
+    dropped_training_knobs,
+    entry_argv,
+    entry_script,
+    render,
+)
 from alignpipe.errors import ConfigError
 
 # Run by path in NeMo-RL's interpreter (it imports nothing from alignpipe).
@@ -125,6 +131,10 @@ def check(ctx, cfg: dict[str, Any] | None = None, *, python: str | None = None) 
         say = f"{unknown['key']} is not a key of {report.schema}{hint} (NeMo-RL would ignore it)"
         (report.errors if unknown["error"] else report.warnings).append(say)
     report.errors += [f"launch command: {err['message']}" for err in launch.get("errors", [])]
+    report.errors += [
+        f"{problem} ({_where(ctx, 'alignpipe.reward_shaping')})"
+        for problem in dropped_training_knobs(ctx.config)
+    ]
     return report
 
 

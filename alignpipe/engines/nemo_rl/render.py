@@ -84,6 +84,24 @@ class RunPaths:
         return self.scratch / "converted"
 
 
+# alignpipe.reward_shaping options that change rewards when set (alignpipe.rewards.shaping).
+_SHAPING_ACTIVE = ("format_penalty", "length_penalty", "clip")
+
+
+def dropped_training_knobs(cfg: dict[str, Any]) -> list[str]:
+    """``alignpipe:`` knobs that change what the local engine trains but that rendering drops:
+    run as is, NeMo-RL would train something else. One line per knob, with the equivalent."""
+    shaping = get_path(cfg, "alignpipe.reward_shaping") or {}
+    active = {k: shaping[k] for k in _SHAPING_ACTIVE if shaping.get(k) not in (None, 0, 0.0)}
+    if not active:
+        return []
+    return [
+        f"alignpipe.reward_shaping {active} shapes rewards on the local engine only; NeMo-RL's own are "
+        "grpo.reward_shaping (DAPO overlong length penalty) and grpo.reward_scaling (clamp and linear "
+        "map): use those, or set these options to 0/null"
+    ]
+
+
 def uses_nemo_gym(cfg: dict[str, Any]) -> bool:
     return bool(get_path(cfg, "env.should_use_nemo_gym", False))
 
