@@ -143,7 +143,105 @@ def rlvr_rewards(payload: dict) -> dict:
         ray.shutdown()
 
 
-PROBES = {"advantages": advantages, "grpo_loss": grpo_loss, "rlvr_rewards": rlvr_rewards}
+def sft_data(payload: dict) -> list[dict]:
+    """The rendered sft config's training data as examples/run_sft.py's ``setup_data`` builds it
+    (dataset class, ``sft_processor`` with the config's add_bos/add_eos/add_generation_prompt),
+    masked as ``sft_train`` masks it (``add_loss_mask_to_message_log``, assistant turns)."""
+    import importlib.util
+    from pathlib import Path
+
+    import nemo_rl
+    from nemo_rl.algorithms.utils import get_tokenizer
+    from nemo_rl.data.llm_message_utils import add_loss_mask_to_message_log
+
+    script = Path(nemo_rl.__file__).parents[1] / "examples" / "run_sft.py"
+    spec = importlib.util.spec_from_file_location("run_sft", script)
+    run_sft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_sft)
+    cfg = payload["config"]
+    tokenizer = get_tokenizer(cfg["policy"]["tokenizer"])
+    train, _ = run_sft.setup_data(tokenizer, cfg["data"])
+    out = []
+    for i in range(len(train)):
+        log = train[i]["message_log"]
+        add_loss_mask_to_message_log(
+            [log],
+            roles_to_train_on=["assistant"],
+            only_unmask_final=cfg["sft"].get("only_unmask_final", False),
+        )
+        out.append(
+            {
+                "input_ids": torch.cat([m["token_ids"] for m in log]).tolist(),
+                "token_mask": torch.cat([m["token_loss_mask"] for m in log]).tolist(),
+                "loss_multiplier": float(train[i]["loss_multiplier"]),
+            }
+        )
+    return out
+
+
+def preference_data(payload: dict) -> list[dict]:
+    """The rendered dpo/rm config's training pairs as examples/run_dpo.py and run_rm.py build them
+    (``setup_preference_data``: dataset class, ``preference_preprocessor``), one pair at a time
+    through ``preference_collate_fn(add_loss_mask=True)``, padding stripped."""
+    from nemo_rl.algorithms.utils import get_tokenizer
+    from nemo_rl.data.collate_fn import preference_collate_fn
+    from nemo_rl.data.utils import setup_preference_data
+
+    cfg = payload["config"]
+    tokenizer = get_tokenizer(cfg["policy"]["tokenizer"])
+    train, _ = setup_preference_data(tokenizer, cfg["data"])
+    out = []
+    for i in range(len(train)):
+        batch = preference_collate_fn([train[i]], tokenizer, 1, add_loss_mask=True)
+        row = {"weight": float(batch["sample_mask"][0])}
+        for j, side in enumerate(("chosen", "rejected")):
+            n = int(batch["input_lengths"][j])
+            row[f"{side}_input_ids"] = batch["input_ids"][j, :n].tolist()
+            row[f"{side}_token_mask"] = batch["token_mask"][j, :n].tolist()
+        out.append(row)
+    return out
+
+
+def rm_env_tokens(payload: dict) -> list[list[int]]:
+    """What NeMo-RL's reward model scores for each (prompt, completion) of the rendered rlhf
+    config: ``setup_response_data`` (dataset class and processor, after alignpipe's
+    ``register()``), the completion appended as the rollout appends it, ``calculate_rewards``'
+    role/content view of the log, then ``RewardModelEnvironment.preprocess_data`` itself (its
+    scoring needs a GPU policy worker; its tokenisation does not), with the env's own tokenizer
+    and task spec."""
+    from nemo_rl.algorithms.utils import get_tokenizer
+    from nemo_rl.data.interfaces import TaskDataSpec
+    from nemo_rl.data.llm_message_utils import get_keys_from_message_log
+    from nemo_rl.data.utils import setup_response_data
+    from nemo_rl.environments.reward_model_environment import RewardModelEnvironment
+
+    from alignpipe.engines.nemo_rl.environment import register
+
+    register()
+    cfg = payload["config"]
+    train, _ = setup_response_data(get_tokenizer(cfg["policy"]["tokenizer"]), cfg["data"], None)
+    logs = [
+        get_keys_from_message_log(
+            [*train[i]["message_log"], {"role": "assistant", "content": c}], ["role", "content"]
+        )
+        for i, c in enumerate(payload["completions"])
+    ]
+    env = types.SimpleNamespace(
+        tokenizer=get_tokenizer(cfg["env"]["reward_model"]["tokenizer"]),
+        task_data_spec=TaskDataSpec(task_name="reward_model_env"),
+    )
+    batch = RewardModelEnvironment.__ray_metadata__.modified_class.preprocess_data(env, logs)
+    return [batch["input_ids"][i, : int(n)].tolist() for i, n in enumerate(batch["input_lengths"])]
+
+
+PROBES = {
+    "rm_env_tokens": rm_env_tokens,
+    "advantages": advantages,
+    "grpo_loss": grpo_loss,
+    "rlvr_rewards": rlvr_rewards,
+    "sft_data": sft_data,
+    "preference_data": preference_data,
+}
 
 
 def main() -> None:

@@ -77,15 +77,15 @@ def test_validation_rewards_match_trls_own(dpo_run: Path, tmp_path: Path):
     """Our implicit reward is TRL's: same margins and accuracy on the same pairs."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig
 
-    from alignpipe.engines.local.dpo import preference_metrics
+    from alignpipe.engines.local.dpo import make_trainer_class, preference_metrics, trl_pairs
 
     policy = AutoModelForCausalLM.from_pretrained(dpo_run / "models" / "dpo", local_files_only=True).eval()
     reference = AutoModelForCausalLM.from_pretrained(dpo_run / "models" / "sft", local_files_only=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(dpo_run / "models" / "dpo", local_files_only=True)
     rows = read_jsonl(dpo_run / "data/prepared/preference/validation.jsonl")[:32]
-    pairs = training.preference_pairs(rows)
+    pairs = training.preference_examples(tokenizer, rows, build_context(dpo_run, "dpo").config)
     ours = preference_metrics(policy, reference, tokenizer, pairs, beta=0.1, average_log_probs=False)
 
     args = DPOConfig(
@@ -99,12 +99,12 @@ def test_validation_rewards_match_trls_own(dpo_run: Path, tmp_path: Path):
         disable_tqdm=True,
         max_length=64,
     )
-    trainer = DPOTrainer(
+    trainer = make_trainer_class()(
         model=policy,
         ref_model=reference,
         args=args,
-        train_dataset=Dataset.from_list(pairs),
-        eval_dataset=Dataset.from_list(pairs),
+        train_dataset=Dataset.from_list(trl_pairs(pairs)),
+        eval_dataset=Dataset.from_list(trl_pairs(pairs)),
         processing_class=tokenizer,
     )
     theirs = trainer.evaluate()

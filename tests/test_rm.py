@@ -97,7 +97,10 @@ def test_rm_reloads_as_a_classifier_and_records_lineage(rm_run: Path):
     assert "score.weight" in rm
 
     # The reloaded model reproduces the published validation accuracy.
-    pairs = training.preference_pairs(read_jsonl(rm_run / SORT_DATA / "validation.jsonl"))
+    from alignpipe.context import build_context
+
+    rows = read_jsonl(rm_run / SORT_DATA / "validation.jsonl")
+    pairs = training.preference_examples(tokenizer, rows, build_context(rm_run, "rm").config)
     again = pairwise_metrics(model, tokenizer, pairs)
     published = json.loads((rm_run / "results" / "rm" / "metrics.json").read_text())["val"]
     assert again["val_pairwise_accuracy"] == pytest.approx(published["pairwise_accuracy"], abs=1e-6)

@@ -10,8 +10,8 @@ import pytest
 
 from alignpipe.context import read_system_prompt
 from alignpipe.engines.local.grpo import conversational
-from alignpipe.engines.local.sft import to_prompt_completion
-from alignpipe.engines.local.training import preference_pairs
+from alignpipe.engines.local.sft import sft_examples
+from alignpipe.engines.local.training import preference_examples
 from alignpipe.errors import ConfigError
 from alignpipe.measure.generation import generate
 from alignpipe.measure.heldout import SAMPLES_FILE, heldout_rows, heldout_settings, sampling_key
@@ -43,20 +43,24 @@ def test_the_file_is_read_as_nemo_rl_does_and_must_live_under_prompts(tmp_path: 
 
 
 def test_every_training_format_starts_with_the_system_turn():
-    sft = to_prompt_completion(
-        [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}], SYSTEM
-    )
-    assert sft[0]["prompt"] == [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "q"}]
-    assert sft[0]["completion"] == [{"role": "assistant", "content": "a"}]
+    from alignpipe.tiny import train_char_tokenizer
+
+    tokenizer = train_char_tokenizer(["".join(chr(c) for c in range(32, 127))])
+    cfg = {"data": {"max_input_seq_length": 200, "add_bos": False}}
+    qa = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    (row,) = sft_examples(tokenizer, [qa], cfg, SYSTEM)
+    text = tokenizer.decode(row["input_ids"])
+    assert text.index(SYSTEM) < text.index("q") < text.index("a")
+    assert tokenizer.decode(
+        [t for t, m in zip(row["input_ids"], row["completion_mask"], strict=True) if m]
+    ).endswith("a" + tokenizer.eos_token)
     # A conversation with its own system turn keeps it.
-    own = [
-        {"role": "system", "content": "mine"},
-        {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "a"},
-    ]
-    assert to_prompt_completion([{"messages": own}], SYSTEM)[0]["prompt"][0]["content"] == "mine"
-    pairs = preference_pairs([{"prompt": "q", "chosen": "a", "rejected": "b"}], system=SYSTEM)
-    assert pairs[0]["prompt"][0] == {"role": "system", "content": SYSTEM}
+    own = [{"role": "system", "content": "mine"}, *qa]
+    assert SYSTEM not in tokenizer.decode(sft_examples(tokenizer, [own], cfg, SYSTEM)[0]["input_ids"])
+    (pair,) = preference_examples(tokenizer, [{"prompt": "q", "chosen": "a", "rejected": "b"}], cfg, SYSTEM)
+    assert tokenizer.decode(pair["rejected_input_ids"]).index(SYSTEM) < tokenizer.decode(
+        pair["rejected_input_ids"]
+    ).index("q")
     assert conversational([{"prompt": "q"}], SYSTEM)[0]["prompt"][0] == {"role": "system", "content": SYSTEM}
     # Without one, nothing is added: the chat template's default applies.
     assert conversational([{"prompt": "q"}])[0]["prompt"] == [{"role": "user", "content": "q"}]

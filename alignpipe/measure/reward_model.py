@@ -5,8 +5,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from alignpipe.measure.chat_tokens import turn_token_ids
 from alignpipe.measure.generation import model_system_prompt, prompt_messages
 from alignpipe.measure.logprobs import LOCAL_DTYPE
+
+
+def conversation_token_ids(
+    tokenizer, prompts: list[str], completions: list[str], system: str | None = None
+) -> list[list[int]]:
+    """(prompt, completion) as the rm stage trains on it and NeMo-RL's reward-model environment
+    scores it: system (if any), user and assistant turns, BOS and EOS as NeMo-RL adds them."""
+    return [
+        [
+            t
+            for turn in turn_token_ids(
+                tokenizer, [*prompt_messages(p, system), {"role": "assistant", "content": c}]
+            )
+            for t in turn
+        ]
+        for p, c in zip(prompts, completions, strict=True)
+    ]
 
 
 class RewardModelScorer:
@@ -33,30 +51,19 @@ class RewardModelScorer:
         )
         return cls(model, tokenizer, model_system_prompt(path), batch_size)
 
-    def texts(self, prompts: list[str], completions: list[str]) -> list[str]:
-        """The conversation as the RM saw it in training: the chat template over user + assistant turns."""
-        return [
-            self.tokenizer.apply_chat_template(
-                [*prompt_messages(p, self.system), {"role": "assistant", "content": c}], tokenize=False
-            )
-            for p, c in zip(prompts, completions, strict=True)
-        ]
-
     def __call__(self, prompts: list[str], completions: list[str]) -> list[float]:
         import torch
 
-        texts = self.texts(prompts, completions)
+        sequences = conversation_token_ids(self.tokenizer, prompts, completions, self.system)
+        pad = self.tokenizer.pad_token_id
         scores: list[float] = []
-        for start in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(
-                texts[start : start + self.batch_size],
-                return_tensors="pt",
-                padding=True,
-                padding_side="right",
-                add_special_tokens=False,
-            )
+        for start in range(0, len(sequences), self.batch_size):
+            chunk = sequences[start : start + self.batch_size]
+            width = max(len(s) for s in chunk)
+            ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk])
+            mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk])
             with torch.no_grad():
-                scores.extend(self.model(**enc).logits[:, 0].float().tolist())
+                scores.extend(self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist())
         return scores
 
 

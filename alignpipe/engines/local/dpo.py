@@ -22,7 +22,7 @@ NeMo-RL ``dpo.yaml`` key -> TRL (see also ``training.trl_common_args``):
 | dpo.seed                                      | seed, data_seed                                              |
 | policy.train_global/micro_batch_size (pairs)  | gradient_accumulation_steps / per_device_train_batch_size (pairs) |
 | policy.max_total_sequence_length              | max_length (truncation keep_start)                           |
-| policy.optimizer.kwargs, scheduler, grad norm | learning_rate, adam_*, warmup_steps, max_grad_norm           |
+| policy.optimizer.kwargs, scheduler, grad norm | learning_rate, adam_*, lr_factor (LambdaLR), max_grad_norm    |
 | checkpointing.save_period / keep_top_k        | save_steps / save_total_limit (scratch dir, resumable)       |
 
 Validation metrics are computed here on the validation split (``preference_metrics``),
@@ -73,36 +73,53 @@ def loss_settings(ctx: StageContext) -> dict[str, Any]:
 
 
 def pair_tensors(tokenizer, pairs: list[dict[str, Any]]):
-    """Padded [chosen..., rejected...] batch with a mask of the response tokens.
-
-    Split the way DPOTrainer does it: the prompt is the chat template with the generation
-    prompt, the response is what follows it in prompt+response.
-    """
+    """Padded [chosen..., rejected...] batch of tokenised pairs (``training.preference_examples``)
+    with the mask of the response tokens NeMo-RL's DPO loss counts."""
     import torch
 
-    seqs: list[list[int]] = []
-    starts: list[int] = []
-    for side in ("chosen", "rejected"):
-        for pair in pairs:
-            prompt = tokenizer.apply_chat_template(
-                pair["prompt"], tokenize=True, add_generation_prompt=True, return_dict=True
-            )["input_ids"]
-            full = tokenizer.apply_chat_template(
-                pair["prompt"] + pair[side], tokenize=True, return_dict=True
-            )["input_ids"]
-            start = 0
-            while start < min(len(prompt), len(full)) and prompt[start] == full[start]:
-                start += 1
-            seqs.append(list(full))
-            starts.append(start)
+    seqs = [p[f"{side}_input_ids"] for side in ("chosen", "rejected") for p in pairs]
+    masks = [p[f"{side}_completion_mask"] for side in ("chosen", "rejected") for p in pairs]
     width = max(len(s) for s in seqs)
     pad = tokenizer.pad_token_id
     ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
     attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-    response = torch.tensor(
-        [[int(start <= i < len(s)) for i in range(width)] for s, start in zip(seqs, starts, strict=True)]
-    )
+    response = torch.tensor([m + [0] * (width - len(m)) for m in masks])
     return ids, attention, response
+
+
+def make_trainer_class():
+    """Built lazily so importing this module does not import TRL."""
+    from trl import DPOTrainer
+
+    class TokenizedDPOTrainer(DPOTrainer):
+        """DPOTrainer over pairs tokenised as NeMo-RL tokenises them (:func:`trl_pairs`): TRL 1.16
+        re-tokenises every dataset itself; rows that already carry ``prompt_ids`` pass through."""
+
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            if "prompt_ids" in dataset.column_names:
+                return dataset
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+    return TokenizedDPOTrainer
+
+
+def trl_pairs(pairs: list[dict[str, Any]]) -> list[dict[str, list[int]]]:
+    """Tokenised pairs as DPOTrainer's pre-tokenised rows: the shared prompt, then each answer
+    (the tokens NeMo-RL's mask trains, its assistant header included)."""
+    rows = []
+    for p in pairs:
+        start = p["chosen_completion_mask"].index(1)
+        prompt = p["chosen_input_ids"][:start]
+        if p["rejected_input_ids"][:start] != prompt or p["rejected_completion_mask"].index(1) != start:
+            raise ValueError("chosen and rejected do not share their prompt tokens")  # same context turns
+        rows.append(
+            {
+                "prompt_ids": prompt,
+                "chosen_ids": p["chosen_input_ids"][start:],
+                "rejected_ids": p["rejected_input_ids"][start:],
+            }
+        )
+    return rows
 
 
 def response_stats(policy, reference, tokenizer, pairs: list[dict[str, Any]]):
@@ -178,13 +195,13 @@ def run(ctx: StageContext) -> None:
     losses = loss_settings(ctx)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig
 
     cfg = ctx.config
     model_path = str(ctx.root / cfg["policy"]["model_name"])
     tokenizer_path = str(ctx.root / get_path(cfg, "policy.tokenizer.name", cfg["policy"]["model_name"]))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    train_pairs, val_pairs = training.preference_splits(ctx, "dpo")
+    train_pairs, val_pairs = training.preference_splits(ctx, "dpo", tokenizer)
 
     model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=LOCAL_DTYPE)
     # The reference is the same SFT policy, loaded separately and frozen.
@@ -224,11 +241,11 @@ def run(ctx: StageContext) -> None:
         ),
         at_start=bool(val_pairs) and bool(get_path(cfg, "dpo.val_at_start", False)),
     )
-    trainer = DPOTrainer(
+    trainer = make_trainer_class()(
         model=model,
         ref_model=reference,
         args=args,
-        train_dataset=Dataset.from_list(train_pairs),
+        train_dataset=Dataset.from_list(trl_pairs(train_pairs)),
         processing_class=tokenizer,
         callbacks=[live_log.make_live_callback(live, METRICS), validation],
     )

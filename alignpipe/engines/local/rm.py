@@ -17,7 +17,7 @@ NeMo-RL ``rm.yaml`` key -> TRL (see also ``training.trl_common_args``):
 | rm.seed                                      | seed, data_seed, and the score head's initialisation    |
 | policy.train_global/micro_batch_size (pairs) | per_device_train_batch_size, gradient_accumulation      |
 | policy.max_total_sequence_length             | RewardConfig.max_length (longer pairs are dropped)      |
-| policy.optimizer.kwargs, scheduler, grad norm| learning_rate, adam_*, warmup_steps, max_grad_norm      |
+| policy.optimizer.kwargs, scheduler, grad norm| learning_rate, adam_*, lr_factor (LambdaLR), max_grad_norm |
 | policy.reward_model_cfg                      | must be ``{enabled: true, reward_model_type: bradley_terry}`` |
 | checkpointing.save_period / keep_top_k       | save_steps / save_total_limit (scratch dir, resumable)  |
 
@@ -60,15 +60,6 @@ def check_reward_model_cfg(ctx: StageContext) -> None:
         )
 
 
-def pair_ids(tokenizer, pair: dict[str, Any]) -> tuple[list[int], list[int]]:
-    """Token ids of prompt+chosen and prompt+rejected, rendered as RewardTrainer does."""
-
-    def render(messages: list[dict[str, str]]) -> list[int]:
-        return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
-
-    return render(pair["prompt"] + pair["chosen"]), render(pair["prompt"] + pair["rejected"])
-
-
 def score_sequences(model, tokenizer, sequences: list[list[int]], batch_size: int):
     """The reward model's scalar score for each token sequence (a 1-D float tensor)."""
     import torch
@@ -94,9 +85,8 @@ def pairwise_metrics(model, tokenizer, pairs: list[dict[str, Any]], batch_size: 
     """
     import torch.nn.functional as F
 
-    ids = [pair_ids(tokenizer, p) for p in pairs]
-    chosen = score_sequences(model, tokenizer, [c for c, _ in ids], batch_size)
-    rejected = score_sequences(model, tokenizer, [r for _, r in ids], batch_size)
+    chosen = score_sequences(model, tokenizer, [p["chosen_input_ids"] for p in pairs], batch_size)
+    rejected = score_sequences(model, tokenizer, [p["rejected_input_ids"] for p in pairs], batch_size)
     margin = chosen - rejected
     return {
         "val_loss": float(-F.logsigmoid(margin).mean()),
@@ -147,7 +137,7 @@ def run(ctx: StageContext) -> None:
     model_path = str(ctx.root / cfg["policy"]["model_name"])
     tokenizer_path = str(ctx.root / get_path(cfg, "policy.tokenizer.name", cfg["policy"]["model_name"]))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    train_pairs, val_pairs = training.preference_splits(ctx, "rm")
+    train_pairs, val_pairs = training.preference_splits(ctx, "rm", tokenizer)
 
     training.apply_torch_threads(ctx)
     trl_args = training.trl_common_args(ctx, "rm", ctx.scratch_dir)
@@ -176,7 +166,13 @@ def run(ctx: StageContext) -> None:
     trainer = RewardTrainer(
         model=model,
         args=args,
-        train_dataset=Dataset.from_list(train_pairs),
+        # NeMo-RL's tokens (training.preference_examples), as RewardTrainer's pre-tokenised rows
+        train_dataset=Dataset.from_list(
+            [
+                {"chosen_ids": p["chosen_input_ids"], "rejected_ids": p["rejected_input_ids"]}
+                for p in train_pairs
+            ]
+        ),
         processing_class=tokenizer,
         callbacks=[live_log.make_live_callback(live, METRICS), validation],
     )

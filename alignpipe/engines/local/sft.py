@@ -1,6 +1,9 @@
 """Stage ``sft`` on the local engine: TRL's SFTTrainer warm start (or import of an HF checkpoint).
 
-Loss is on the assistant turn only (prompt-completion data). The policy is left
+Loss is on the assistant turns, tokenised as NeMo-RL's ``sft_processor`` tokenises them
+(``alignpipe.measure.chat_tokens``: the assistant header is trained, BOS/EOS per
+``data.add_bos``/``add_eos``, a conversation too long for ``data.max_input_seq_length`` kept
+at weight 0); TRL gets the token ids and completion mask ready-made. The policy is left
 deliberately short of perfect on held-out prompts (few steps): alignment stages need
 room to show gains, and ``heldout/accuracy`` records where SFT leaves off.
 """
@@ -12,6 +15,7 @@ from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, training
 from alignpipe.jsonl import read_jsonl
+from alignpipe.measure.chat_tokens import sft_example
 from alignpipe.measure.generation import with_system
 from alignpipe.measure.heldout import log_heldout, sample_heldout, samples_file
 from alignpipe.measure.logprobs import LOCAL_DTYPE
@@ -27,12 +31,23 @@ def resolve_model_path(ctx: StageContext, name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
-def to_prompt_completion(rows: list[dict], system: str | None = None) -> list[dict]:
-    """OpenAI ``messages`` -> TRL conversational prompt/completion (loss on the completion), after
-    the stage's system turn (``system``) unless the row has its own."""
+def sft_examples(
+    tokenizer, conversations: list[list[dict]], cfg: dict, system: str | None = None
+) -> list[dict]:
+    """Conversations (OpenAI ``messages``) -> TRL's tokenised SFT rows (``input_ids``,
+    ``completion_mask``), with NeMo-RL's ``data.add_bos``/``add_eos``/``add_generation_prompt``
+    and ``max_input_seq_length``, after the stage's system turn (``system``) unless a row has its own."""
+    data = cfg["data"]
     return [
-        {"prompt": with_system(row["messages"][:-1], system), "completion": row["messages"][-1:]}
-        for row in rows
+        sft_example(
+            tokenizer,
+            with_system(messages, system),
+            max_length=int(data["max_input_seq_length"]),
+            add_bos=bool(data.get("add_bos", True)),
+            add_eos=bool(data.get("add_eos", True)),
+            add_generation_prompt=bool(data.get("add_generation_prompt", False)),
+        )
+        for messages in conversations
     ]
 
 
@@ -60,16 +75,16 @@ def run(ctx: StageContext) -> None:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(ctx, import_from), local_files_only=True)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=LOCAL_DTYPE)
-        system = ctx.system_prompt
-        train = Dataset.from_list(
-            to_prompt_completion(read_jsonl(ctx.root / cfg["data"]["train"]["data_path"]), system)
-        )
+
+        def examples(path: str) -> Dataset:
+            rows = read_jsonl(ctx.root / path)
+            return Dataset.from_list(
+                sft_examples(tokenizer, [r["messages"] for r in rows], cfg, ctx.system_prompt)
+            )
+
+        train = examples(cfg["data"]["train"]["data_path"])
         val_path = get_path(cfg, "data.validation.data_path")
-        val = (
-            Dataset.from_list(to_prompt_completion(read_jsonl(ctx.root / val_path), system))
-            if val_path
-            else None
-        )
+        val = examples(val_path) if val_path else None
         if val is not None and get_path(cfg, "sft.val_batches"):
             n = int(cfg["sft"]["val_batches"]) * int(cfg["sft"].get("val_global_batch_size", 32))
             val = val.select(range(min(n, len(val))))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from alignpipe.engines.local import live_log, publish
 from alignpipe.engines.local.live_log import replay_history
 from alignpipe.errors import UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
+from alignpipe.measure.chat_tokens import preference_example
 from alignpipe.measure.generation import prompt_messages
 
 # ----------------------------------------------------------------------------- guards
@@ -63,12 +65,60 @@ def refuse_gpu_only_settings(ctx: StageContext) -> None:
 # ----------------------------------------------------------------------------- TRL args
 
 
-def warmup_steps(cfg: dict[str, Any]) -> int:
-    """NeMo-RL's scheduler list starts with a LinearLR warm-up; its total_iters is the warm-up."""
-    for entry in get_path(cfg, "policy.scheduler", []) or []:
-        if isinstance(entry, dict) and str(entry.get("name", "")).endswith("LinearLR"):
-            return int(entry.get("kwargs", {}).get("total_iters", 0))
-    return 0
+def lr_factor(cfg: dict[str, Any], where: str = "the stage's config") -> Callable[[int], float]:
+    """NeMo-RL's ``policy.scheduler`` as a function of the optimizer step: the factor on the base
+    learning rate that its ``SequentialLR`` over the listed ``LinearLR``/``ConstantLR`` gives
+    (torch's closed forms). HF's ``constant_with_warmup`` would start the warm-up at 0, where
+    NeMo-RL's ``LinearLR(start_factor=0.1)`` starts at a tenth. Other schedulers are refused."""
+    entries = get_path(cfg, "policy.scheduler") or []
+    if isinstance(entries, dict):
+        entries = [entries]
+    phases: list[tuple[str, dict[str, Any]]] = []
+    milestones: list[int] = []
+    for entry in entries:
+        if "milestones" in entry and "name" not in entry:
+            milestones = [int(m) for m in entry["milestones"]]
+            continue
+        name = str(entry.get("name", "")).rsplit(".", 1)[-1]
+        if name not in ("LinearLR", "ConstantLR"):
+            raise UnsupportedSetting(
+                f"policy.scheduler {entry.get('name')!r} in {where}: the local engine reproduces "
+                "torch.optim.lr_scheduler.LinearLR and ConstantLR (NeMo-RL's warm-up then constant)"
+            )
+        phases.append((name, dict(entry.get("kwargs") or {})))
+    if not phases:
+        return lambda step: 1.0
+    if len(milestones) != len(phases) - 1:
+        raise UnsupportedSetting(
+            f"policy.scheduler in {where}: {len(phases)} schedulers need {len(phases) - 1} milestones"
+        )
+
+    def one(name: str, kw: dict[str, Any], t: int) -> float:
+        if name == "LinearLR":
+            start, end = float(kw.get("start_factor", 1 / 3)), float(kw.get("end_factor", 1.0))
+            total = int(kw.get("total_iters", 5))
+            return start + (end - start) * min(t, total) / total if total else end
+        return float(kw.get("factor", 1 / 3)) if t < int(kw.get("total_iters", 5)) else 1.0
+
+    def factor(step: int) -> float:
+        k = sum(step >= m for m in milestones)
+        return one(*phases[k], step - (milestones[k - 1] if k else 0))
+
+    return factor
+
+
+def use_nemo_rl_schedule(trainer, cfg: dict[str, Any], where: str = "the stage's config") -> None:
+    """Make ``trainer`` (any HF Trainer) step :func:`lr_factor` instead of its own schedule."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    factor = lr_factor(cfg, where)
+
+    def create_scheduler(num_training_steps: int, optimizer=None):
+        if trainer.lr_scheduler is None:
+            trainer.lr_scheduler = LambdaLR(optimizer or trainer.optimizer, factor)
+        return trainer.lr_scheduler
+
+    trainer.create_scheduler = create_scheduler
 
 
 def trl_common_args(ctx: StageContext, algo: str, output_dir: Path) -> dict[str, Any]:
@@ -84,7 +134,7 @@ def trl_common_args(ctx: StageContext, algo: str, output_dir: Path) -> dict[str,
     | train_global_batch_size / micro               | gradient_accumulation_steps        |
     | <algo>.val_micro_batch_size                   | per_device_eval_batch_size         |
     | policy.optimizer.kwargs.{lr,weight_decay,...} | learning_rate, weight_decay, adam_*|
-    | policy.scheduler[LinearLR].total_iters        | warmup_steps (constant_with_warmup)|
+    | policy.scheduler (LinearLR, ConstantLR)       | lr_factor (train_resumable)        |
     | policy.max_grad_norm                          | max_grad_norm                      |
     | checkpointing.save_period / keep_top_k        | save_steps / save_total_limit      |
     """
@@ -118,8 +168,7 @@ def trl_common_args(ctx: StageContext, algo: str, output_dir: Path) -> dict[str,
         adam_beta1=float(betas[0]),
         adam_beta2=float(betas[1]),
         adam_epsilon=float(opt.get("eps", 1e-8)),
-        lr_scheduler_type="constant_with_warmup",
-        warmup_steps=warmup_steps(cfg),
+        lr_scheduler_type="constant",  # replaced by NeMo-RL's schedule (use_nemo_rl_schedule)
         max_grad_norm=float(get_path(cfg, "policy.max_grad_norm", 1.0) or 0.0),
         eval_strategy="steps" if val_period else "no",
         eval_steps=val_period or None,
@@ -191,6 +240,7 @@ def train_resumable(ctx: StageContext, trainer, live, rename: dict[str, str]) ->
     checkpoint's trainer_state so they stay whole.
     """
     show_progress(ctx, trainer)
+    use_nemo_rl_schedule(trainer, ctx.config, f"stages/{ctx.name}/config/{ctx.profile}.yaml")
     resume = latest_checkpoint(ctx.scratch_dir)
     if resume is not None:
         print(f"{ctx.name}: resuming from {resume}")
@@ -267,40 +317,47 @@ def publish_trained(
 # ----------------------------------------------------------------------------- data
 
 
-def preference_pairs(
-    rows: list[dict[str, Any]],
-    prompt_key: str = "prompt",
-    chosen_key: str = "chosen",
-    rejected_key: str = "rejected",
-    system: str | None = None,
-) -> list[dict[str, list[dict[str, str]]]]:
-    """Prepared preference rows -> TRL's conversational preference format.
-
-    Conversational, so the chat template wraps prompt and answers exactly as in SFT, after the
-    stage's system turn (``system``) when it has one. The keys are NeMo-RL's
-    ``data.default.{prompt,chosen,rejected}_key``.
-    """
+def preference_examples(
+    tokenizer, rows: list[dict[str, Any]], cfg: dict[str, Any], system: str | None = None
+) -> list[dict[str, Any]]:
+    """Prepared preference rows -> pairs tokenised as NeMo-RL's ``preference_preprocessor`` does
+    (``alignpipe.measure.chat_tokens.preference_example``): the keys are NeMo-RL's
+    ``data.default.{prompt,chosen,rejected}_key``, the length limit ``data.max_input_seq_length``,
+    and the prompt follows the stage's system turn (``system``) when it has one."""
+    keys = [get_path(cfg, f"data.default.{k}_key", k) or k for k in ("prompt", "chosen", "rejected")]
+    limit = int(get_path(cfg, "data.max_input_seq_length"))
     return [
-        {
-            "prompt": prompt_messages(row[prompt_key], system),
-            "chosen": [{"role": "assistant", "content": row[chosen_key]}],
-            "rejected": [{"role": "assistant", "content": row[rejected_key]}],
-        }
+        preference_example(
+            tokenizer,
+            prompt_messages(row[keys[0]], system),
+            {"role": "assistant", "content": row[keys[1]]},
+            {"role": "assistant", "content": row[keys[2]]},
+            max_length=limit,
+        )
         for row in rows
     ]
 
 
-def preference_splits(ctx: StageContext, algo: str) -> tuple[list[dict], list[dict]]:
-    """Train and validation pairs of a preference stage; validation capped at
-    ``<algo>.val_batches x val_global_batch_size`` pairs (``-1``: all, as in NeMo-RL)."""
+def preference_splits(ctx: StageContext, algo: str, tokenizer) -> tuple[list[dict], list[dict]]:
+    """Tokenised train and validation pairs of a preference stage; validation capped at
+    ``<algo>.val_batches x val_global_batch_size`` pairs (``-1``: all, as in NeMo-RL).
+
+    A pair NeMo-RL keeps at weight 0 (too long) trains and counts nothing there; TRL has no
+    per-pair weight, so it is left out here (named on the console)."""
     cfg = ctx.config
-    keys: dict[str, Any] = {
-        f"{k}_key": get_path(cfg, f"data.default.{k}_key", k) or k for k in ("prompt", "chosen", "rejected")
-    }
-    keys["system"] = ctx.system_prompt
-    train = preference_pairs(read_jsonl(ctx.root / cfg["data"]["train"]["data_path"]), **keys)
+
+    def pairs(path: str, split: str) -> list[dict]:
+        rows = preference_examples(tokenizer, read_jsonl(ctx.root / path), cfg, ctx.system_prompt)
+        kept = [r for r in rows if r["weight"] > 0]
+        if len(kept) < len(rows):
+            limit = get_path(cfg, "data.max_input_seq_length")
+            print(f"{ctx.name}: {len(rows) - len(kept)} {split} pairs longer than data.max_input_seq_length={limit} "
+                  "left out (NeMo-RL gives them weight 0)", flush=True)  # fmt: skip
+        return kept
+
+    train = pairs(cfg["data"]["train"]["data_path"], "train")
     val_path = get_path(cfg, "data.validation.data_path")
-    val = preference_pairs(read_jsonl(ctx.root / val_path), **keys) if val_path else []
+    val = pairs(val_path, "validation") if val_path else []
     batches = int(get_path(cfg, f"{algo}.val_batches", -1) or -1)
     if batches > 0:
         val = val[: batches * int(get_path(cfg, f"{algo}.val_global_batch_size", 32))]

@@ -1,0 +1,125 @@
+"""Training data on both engines: the rendered sft, dpo and rm configs through NeMo-RL v0.7.0's
+own dataset classes, processors and collators give, row for row, the token ids, the trained
+tokens and the kept/weight-0 rows that the local engine trains on.
+
+Inputs are prepared-format rows (tests/fixtures-like, written here) with a conversation too
+long for the profile's ``max_input_seq_length``; tokenizers are the tiny char tokenizer (a
+template that emits BOS itself) and SmolLM2's (a template with a default system turn and no BOS).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.test_nemo_rl_render import rendered
+
+SFT_ROWS = [
+    [{"role": "user", "content": "sort 312"}, {"role": "assistant", "content": "123"}],
+    [{"role": "user", "content": "reverse ab"}, {"role": "assistant", "content": "ba"}],
+    [
+        {"role": "user", "content": "add 2 3"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "and 4?"},
+        {"role": "assistant", "content": "9"},
+    ],
+]
+PREFERENCE_ROWS = [
+    {"prompt": "sort 312", "chosen": "123", "rejected": "321"},
+    {"prompt": "reverse ab", "chosen": "ba", "rejected": "ab"},
+]
+
+
+def too_long(n: int) -> str:
+    return "9" * n
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory) -> dict[str, Path]:
+    from alignpipe.tiny import train_char_tokenizer
+    from tests.smollm2 import build
+
+    tiny = tmp_path_factory.mktemp("tiny-tokenizer")
+    train_char_tokenizer(["".join(chr(c) for c in range(32, 127))]).save_pretrained(tiny)
+    return {"tiny": tiny, "small": build()}
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+@pytest.mark.parametrize("profile", ["tiny", "small"])
+def test_sft_tokens_and_masks_equal_nemo_rls(profile, tokenizers, nemo_rl_runtime, tmp_path: Path) -> None:
+    cfg = rendered("sft", profile, tmp_path)
+    limit = int(cfg["data"]["max_input_seq_length"])
+    rows = [*SFT_ROWS, [{"role": "user", "content": too_long(limit)}, {"role": "assistant", "content": "1"}]]
+    data = write_jsonl(tmp_path / "train.jsonl", [{"messages": m} for m in rows])
+    cfg["data"]["train"]["data_path"] = str(data)
+    cfg["data"].pop("validation", None)
+    cfg["policy"]["tokenizer"]["name"] = str(tokenizers[profile])
+    theirs = nemo_rl_runtime("sft_data", {"config": cfg})
+
+    from alignpipe.engines.local.sft import sft_examples
+
+    ours = sft_examples(load_tokenizer(tokenizers[profile]), rows, cfg)
+    assert len(ours) == len(theirs) == len(rows)
+    for i, (mine, up) in enumerate(zip(ours, theirs, strict=True)):
+        assert mine["input_ids"] == up["input_ids"], i
+        want = [int(m * up["loss_multiplier"]) for m in up["token_mask"]]
+        assert mine["completion_mask"] == want, i
+    assert theirs[-1]["loss_multiplier"] == 0.0 and sum(ours[-1]["completion_mask"]) == 0  # kept, weight 0
+    assert all(sum(o["completion_mask"]) for o in ours[:-1])
+
+
+@pytest.mark.parametrize("stage", ["dpo", "rm"])
+@pytest.mark.parametrize("profile", ["tiny", "small"])
+def test_preference_tokens_and_masks_equal_nemo_rls(
+    stage, profile, tokenizers, nemo_rl_runtime, tmp_path: Path
+) -> None:
+    cfg = rendered(stage, profile, tmp_path)
+    limit = int(cfg["data"]["max_input_seq_length"])
+    rows = [*PREFERENCE_ROWS, {"prompt": "sort 1", "chosen": "1", "rejected": too_long(limit)}]
+    cfg["data"]["train"]["data_path"] = str(write_jsonl(tmp_path / "train.jsonl", rows))
+    cfg["data"].pop("validation", None)
+    cfg["policy"]["tokenizer"]["name"] = str(tokenizers[profile])
+    theirs = nemo_rl_runtime("preference_data", {"config": cfg})
+
+    from alignpipe.engines.local.training import preference_examples
+
+    ours = preference_examples(load_tokenizer(tokenizers[profile]), rows, cfg)
+    assert len(ours) == len(theirs) == len(rows)
+    for i, (mine, up) in enumerate(zip(ours, theirs, strict=True)):
+        assert mine["weight"] == up["weight"], i
+        for side in ("chosen", "rejected"):
+            assert mine[f"{side}_input_ids"] == up[f"{side}_input_ids"], (i, side)
+            assert mine[f"{side}_completion_mask"] == up[f"{side}_token_mask"], (i, side)
+    assert [o["weight"] for o in ours] == [1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo", "rm"])
+def test_a_system_prompt_file_is_refused_on_the_nemo_rl_engine(stage: str) -> None:
+    """NeMo-RL v0.7.0's sft_processor and preference_preprocessor never read
+    data.default.system_prompt_file: a nemo_rl run must stop rather than train without it."""
+    from alignpipe.config import load_params
+    from alignpipe.context import build_context
+    from alignpipe.engines.nemo_rl import engine
+    from alignpipe.errors import UnsupportedSetting
+    from tests.conftest import REPO
+
+    params = load_params(REPO)
+    params["runtime"] = {**params.get("runtime", {}), "engine": "nemo_rl"}
+    params[stage] = {
+        **(params.get(stage) or {}),
+        "data": {"default": {"system_prompt_file": "prompts/brief.txt"}},
+    }
+    with pytest.raises(UnsupportedSetting, match=r"system_prompt_file='prompts/brief.txt'.*ignores it"):
+        engine.run(build_context(REPO, stage, params=params))

@@ -1,0 +1,60 @@
+"""The learning-rate schedule on both engines: the local trainers' LambdaLR (training.lr_factor)
+against torch's own schedulers assembled from the rendered ``policy.scheduler`` the way NeMo-RL
+v0.7.0 assembles them (models/automodel/setup.py ``setup_model_and_optimizer``: each entry's
+class with its kwargs, then ``SequentialLR`` over the ``milestones`` entry). That module imports
+nemo_automodel, which does not install here, so its ten lines of assembly are restated below;
+the schedulers doing the arithmetic are torch's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import get_class
+
+from alignpipe.engines.local.training import lr_factor
+from alignpipe.errors import UnsupportedSetting
+from tests.test_nemo_rl_render import rendered
+
+
+def nemo_rl_scheduler(optimizer, entries):
+    schedulers, milestones = [], []
+    for entry in entries:
+        if "name" in entry:
+            schedulers.append(get_class(entry["name"])(optimizer, **entry["kwargs"]))
+        else:
+            milestones = entry["milestones"]
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, schedulers, milestones)
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "rlvr", "rlhf"])
+@pytest.mark.parametrize("profile", ["tiny", "small", "default"])
+def test_local_lr_schedule_equals_nemo_rls(stage: str, profile: str, tmp_path: Path) -> None:
+    cfg = rendered(stage, profile, tmp_path)
+    entries = cfg["policy"]["scheduler"]
+    param = torch.nn.Parameter(torch.zeros(1))
+    theirs_opt = torch.optim.SGD([param], lr=1.0)
+    theirs = nemo_rl_scheduler(theirs_opt, entries)
+    ours_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    ours = torch.optim.lr_scheduler.LambdaLR(ours_opt, lr_factor(cfg))
+    warmup = max(e.get("milestones", [0])[0] for e in entries if "milestones" in e)
+    seen = []
+    for _ in range(warmup + 5):
+        assert ours_opt.param_groups[0]["lr"] == pytest.approx(theirs_opt.param_groups[0]["lr"], rel=1e-9)
+        seen.append(ours_opt.param_groups[0]["lr"])
+        for opt, sched in ((theirs_opt, theirs), (ours_opt, ours)):
+            opt.step()
+            sched.step()
+    assert seen[0] < seen[-1] == pytest.approx(1.0)  # a warm-up that starts above 0 (0.1 on NeMo-RL)
+    assert seen[0] > 0
+
+
+def test_other_schedulers_are_refused() -> None:
+    cfg = {
+        "policy": {
+            "scheduler": [{"name": "torch.optim.lr_scheduler.CosineAnnealingLR", "kwargs": {"T_max": 10}}]
+        }
+    }
+    with pytest.raises(UnsupportedSetting, match="CosineAnnealingLR.*LinearLR and ConstantLR"):
+        lr_factor(cfg)
