@@ -97,7 +97,7 @@ def test_local_only_reward_shaping_is_refused_on_the_nemo_rl_engine() -> None:
 
     params = load_params(REPO)
     params["runtime"] = {**params.get("runtime", {}), "engine": "nemo_rl"}
-    assert engine.dropped_training_knobs(build_context(REPO, "rlvr", params=params).config) == []
+    assert engine.dropped_training_knobs("rlvr", build_context(REPO, "rlvr", params=params).config) == []
     params["rlvr"] = {
         **(params.get("rlvr") or {}),
         "alignpipe": {"reward_shaping": {"length_penalty": 0.1, "target_length": 8}},
@@ -107,3 +107,41 @@ def test_local_only_reward_shaping_is_refused_on_the_nemo_rl_engine() -> None:
         engine.run(ctx)
     # the local engine honours it: the same config trains there
     assert local_rewards("tiny", [ROWS[0][0]], ["123"], REPO) == [1.0]
+
+
+@pytest.mark.parametrize("profile", ["tiny", "small", "default"])
+def test_rlhf_reward_model_scores_what_rm_trained_on(profile, nemo_rl_runtime, tmp_path: Path) -> None:
+    """NeMo-RL's reward-model environment, fed by the rendered rlhf config's data path, tokenises
+    each (prompt, completion) exactly as the local scorer does and as the rm stage trained on it
+    (chosen side of a pair): one chat template, BOS and EOS, the same ids. Same ids into the same
+    reward model give the same score."""
+    from alignpipe.engines.local.training import preference_examples
+    from alignpipe.measure.reward_model import conversation_token_ids
+    from tests.smollm2 import build
+
+    tokenizer_dir = build() if profile != "tiny" else None
+    if tokenizer_dir is None:
+        from alignpipe.tiny import train_char_tokenizer
+
+        tokenizer_dir = tmp_path / "tokenizer"
+        train_char_tokenizer(["".join(chr(c) for c in range(32, 127))]).save_pretrained(tokenizer_dir)
+    rows = [{"prompt": "sort 312", "answer": "123"}, {"prompt": "add 2 3", "answer": "5"}]
+    completions = ["The answer is \\boxed{123}.", "5"]
+    cfg = rendered("rlhf", profile, tmp_path)
+    cfg["data"]["train"]["data_path"] = str(tmp_path / "train.jsonl")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg["data"].pop("validation", None)
+    cfg["data"]["shuffle"] = False
+    cfg["policy"]["tokenizer"]["name"] = cfg["env"]["reward_model"]["tokenizer"]["name"] = str(tokenizer_dir)
+    theirs = nemo_rl_runtime("rm_env_tokens", {"config": cfg, "completions": completions})
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    prompts = [r["prompt"] for r in rows]
+    assert conversation_token_ids(tokenizer, prompts, completions) == theirs
+    pairs = [{"prompt": p, "chosen": c, "rejected": "x"} for p, c in zip(prompts, completions, strict=True)]
+    trained = preference_examples(tokenizer, pairs, {"data": {"max_input_seq_length": 4096}})
+    assert [p["chosen_input_ids"] for p in trained] == theirs
+    text = tokenizer.decode(theirs[0])
+    assert text.count("sort 312") == 1 and "\\boxed{123}" in text  # templated once

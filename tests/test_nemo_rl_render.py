@@ -137,7 +137,16 @@ def test_entry_scripts(tmp_path: Path) -> None:
             "--config",
             str(cfg_path),
         ],
-        ("rlhf", "default"): ["python", RUN_GRPO, "--config", str(cfg_path)],
+        # ...and so must its processor for the RM environment (raw prompt turns).
+        ("rlhf", "default"): [
+            "python",
+            "-m",
+            "alignpipe.engines.nemo_rl.grpo_driver",
+            "--entry",
+            RUN_GRPO,
+            "--config",
+            str(cfg_path),
+        ],
         ("rlvr", "nemo_gym"): ["python", RUN_GRPO_NEMO_GYM, "--config", str(cfg_path)],
         ("rlhf", "nemo_gym"): ["python", RUN_GRPO_NEMO_GYM, "--config", str(cfg_path)],
     }

@@ -309,7 +309,7 @@ def prepare(ctx, paths: RunPaths, runner: CommandRunner, workdir: Path) -> dict[
 
 
 def run(ctx, *, runner: CommandRunner = run_command) -> None:
-    dropped = dropped_training_knobs(ctx.config)
+    dropped = dropped_training_knobs(ctx.name, ctx.config)
     if dropped:
         raise UnsupportedSetting(
             f"stage '{ctx.name}' (profile '{ctx.profile}') on the nemo_rl engine:\n  - "

@@ -8,8 +8,10 @@ Three pieces, each plugged in where NeMo-RL looks for it:
 * ``verifier_data_processor`` (registered as ``alignpipe_verifier_processor``): NeMo-RL's
   ``math_hf_data_processor`` (chat template, ``extra_env_info.ground_truth``) plus the row's
   verifier fields in ``extra_env_info``.
-* ``VerifierEnvironment`` (``data.default.env_name: alignpipe_verifier``): a Ray actor with
-  ``step`` and ``global_post_process_and_metrics`` that scores the last assistant turn with
+* ``reward_model_data_processor`` (registered as ``alignpipe_rm_processor``, rlhf): the prompt
+  as raw turns, so NeMo-RL's reward-model environment templates it once, as rm trained on it.
+* ``VerifierEnvironment`` (``data.default.env_name: alignpipe_verifier``): a Ray actor whose
+  ``step`` scores the last assistant turn with
   ``alignpipe.rewards.score_completion(s)`` (1.0 correct, 0.0 wrong).
 
 ``register()`` makes NeMo-RL find them: ``register_env`` (ENV_REGISTRY) **and** the actor
@@ -29,6 +31,7 @@ from typing import Any
 
 ENV_NAME = "alignpipe_verifier"
 PROCESSOR_NAME = "alignpipe_verifier_processor"
+RM_PROCESSOR_NAME = "alignpipe_rm_processor"
 ACTOR_FQN = "alignpipe.engines.nemo_rl.environment.VerifierEnvironment"
 DATASET_FQN = "alignpipe.engines.nemo_rl.environment.VerifiedResponseDataset"
 # Every row field alignpipe.rewards reads besides the answer: a field lost here scores a row
@@ -91,16 +94,6 @@ def score_batch(
     return [float(s) for s in score_completions(rows, [last_assistant_text(log) for log in message_logs])]
 
 
-def batch_metrics(rewards: Sequence[float], group_size: int | None = None) -> dict[str, float]:
-    """Accuracy (mean reward, rewards being 0/1) and pass@group over groups of rollouts."""
-    n = len(rewards)
-    metrics = {"accuracy": sum(rewards) / n if n else 0.0, "num_samples": float(n)}
-    if group_size and group_size > 0 and n % group_size == 0 and n:
-        groups = [rewards[i : i + group_size] for i in range(0, n, group_size)]
-        metrics[f"pass@{group_size}"] = sum(1.0 for g in groups if max(g) >= 1.0) / len(groups)
-    return metrics
-
-
 def format_row(data: dict[str, Any], input_key: str, output_key: str, task_name: str) -> dict[str, Any]:
     """ResponseDataset's row format plus the fields the verifier needs (Arrow-safe types)."""
     row = {
@@ -143,6 +136,32 @@ def verifier_data_processor(datum_dict, task_data_spec, tokenizer, max_seq_lengt
     return spec
 
 
+def reward_model_data_processor(datum_dict, task_data_spec, tokenizer, max_seq_length, idx):
+    """``math_hf_data_processor``'s prompt tokens, with the prompt kept as raw turns.
+
+    NeMo-RL's reward-model environment renders the message log's *contents* with the chat
+    template (``get_formatted_message_log``); ``math_hf_data_processor`` stores the already
+    templated prompt there, so the reward model would score a conversation templated twice,
+    not what the rm stage trained on. Here the system turn (when the stage has one) and the
+    user turn keep their raw text; all the prompt's token ids, which generation reads, stay
+    on the user turn (the system turn's are empty), so what is generated does not change.
+    """
+    from nemo_rl.data.processors import math_hf_data_processor
+
+    spec = math_hf_data_processor(datum_dict, task_data_spec, tokenizer, max_seq_length, idx)
+    (prompt,) = spec["message_log"]
+    problem = datum_dict["messages"][0]["content"]
+    turns = []
+    if task_data_spec.system_prompt:
+        turns.append(
+            {"role": "system", "content": task_data_spec.system_prompt, "token_ids": prompt["token_ids"][:0]}
+        )
+    content = task_data_spec.prompt.format(problem) if task_data_spec.prompt else problem
+    turns.append({"role": "user", "content": content, "token_ids": prompt["token_ids"]})
+    spec["message_log"] = turns
+    return spec
+
+
 class _VerifierEnvironment(EnvironmentInterface):  # type: ignore[misc,valid-type]
     """Scores rollouts with alignpipe's verifiers; one turn, then done."""
 
@@ -168,15 +187,9 @@ class _VerifierEnvironment(EnvironmentInterface):  # type: ignore[misc,valid-typ
         )
 
     def global_post_process_and_metrics(self, batch):
-        # The rollout batch's per-sample rewards are under "rewards" (NeMo-RL v0.7.0's own
-        # MathEnvironment reads them there; column 0 for multi-reward envs). There is no
-        # "total_reward" key in what NeMo-RL passes.
-        rewards = batch["rewards"]
-        if getattr(rewards, "ndim", 1) > 1:
-            rewards = rewards[:, 0]
-        rewards = [float(r) for r in rewards]
-        group = self.cfg.get("num_generations_per_prompt")
-        return batch, batch_metrics(rewards, group)
+        # Required by EnvironmentInterface, but NeMo-RL v0.7.0's GRPO loop never calls it: with
+        # 0/1 rewards the accuracy is its own train/reward (imported as train/reward_mean).
+        return batch, {}
 
     def shutdown(self) -> None:
         return None
@@ -202,3 +215,4 @@ def register() -> None:
     # The env actor runs with the driver's interpreter, where alignpipe is installed.
     ACTOR_ENVIRONMENT_REGISTRY[ACTOR_FQN] = PY_EXECUTABLES.SYSTEM
     register_processor(PROCESSOR_NAME, verifier_data_processor)
+    register_processor(RM_PROCESSOR_NAME, reward_model_data_processor)

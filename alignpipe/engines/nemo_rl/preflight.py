@@ -131,10 +131,7 @@ def check(ctx, cfg: dict[str, Any] | None = None, *, python: str | None = None) 
         say = f"{unknown['key']} is not a key of {report.schema}{hint} (NeMo-RL would ignore it)"
         (report.errors if unknown["error"] else report.warnings).append(say)
     report.errors += [f"launch command: {err['message']}" for err in launch.get("errors", [])]
-    report.errors += [
-        f"{problem} ({_where(ctx, 'alignpipe.reward_shaping')})"
-        for problem in dropped_training_knobs(ctx.config)
-    ]
+    report.errors += dropped_training_knobs(ctx.name, ctx.config)
     return report
 
 

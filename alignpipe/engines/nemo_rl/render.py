@@ -88,18 +88,26 @@ class RunPaths:
 _SHAPING_ACTIVE = ("format_penalty", "length_penalty", "clip")
 
 
-def dropped_training_knobs(cfg: dict[str, Any]) -> list[str]:
-    """``alignpipe:`` knobs that change what the local engine trains but that rendering drops:
-    run as is, NeMo-RL would train something else. One line per knob, with the equivalent."""
+def dropped_training_knobs(stage: str, cfg: dict[str, Any]) -> list[str]:
+    """Settings that change what the local engine trains but that NeMo-RL v0.7.0 would not
+    honour: ``alignpipe:`` knobs rendering drops, and the system prompt file, which its SFT and
+    preference processors never read (only the GRPO ones do). One line each, with what to do."""
+    problems = []
     shaping = get_path(cfg, "alignpipe.reward_shaping") or {}
     active = {k: shaping[k] for k in _SHAPING_ACTIVE if shaping.get(k) not in (None, 0, 0.0)}
-    if not active:
-        return []
-    return [
-        f"alignpipe.reward_shaping {active} shapes rewards on the local engine only; NeMo-RL's own are "
-        "grpo.reward_shaping (DAPO overlong length penalty) and grpo.reward_scaling (clamp and linear "
-        "map): use those, or set these options to 0/null"
-    ]
+    if active:
+        problems.append(
+            f"alignpipe.reward_shaping {active} shapes rewards on the local engine only; NeMo-RL's own are "
+            "grpo.reward_shaping (DAPO overlong length penalty) and grpo.reward_scaling (clamp and linear "
+            "map): use those, or set these options to 0/null"
+        )
+    if stage in ("sft", "rm", "dpo") and get_path(cfg, "data.default.system_prompt_file"):
+        problems.append(
+            f"data.default.system_prompt_file={get_path(cfg, 'data.default.system_prompt_file')!r}: NeMo-RL v0.7.0's "
+            f"{'sft_processor' if stage == 'sft' else 'preference_preprocessor'} ignores it (the local engine "
+            "prepends it); put the system turn in the data, or set the key to null"
+        )
+    return problems
 
 
 def uses_nemo_gym(cfg: dict[str, Any]) -> bool:
@@ -120,6 +128,18 @@ def env_names(cfg: dict[str, Any]) -> set[str]:
     return names
 
 
+def needs_registration(cfg: dict[str, Any]) -> bool:
+    """The config names alignpipe's environment or one of its processors, which NeMo-RL finds
+    only after ``environment.register()`` (grpo_driver) has run in the driver."""
+    processors = {get_path(cfg, "data.default.processor")}
+    for split in DATA_SPLITS:
+        entries = get_path(cfg, f"data.{split}")
+        for entry in entries if isinstance(entries, list) else [entries]:
+            if isinstance(entry, dict):
+                processors.add(entry.get("processor"))
+    return VERIFIER_ENV in env_names(cfg) or any(str(p).startswith("alignpipe_") for p in processors if p)
+
+
 def entry_script(stage: str, cfg: dict[str, Any]) -> str:
     if stage not in ENTRY_SCRIPTS:
         raise ConfigError(f"stage '{stage}' has no NeMo-RL entry script (known: {', '.join(ENTRY_SCRIPTS)})")
@@ -138,7 +158,7 @@ def entry_argv(stage: str, cfg: dict[str, Any], config_path: Path, python: str =
     examples/run_grpo.py itself unchanged.
     """
     script = entry_script(stage, cfg)
-    if script == RUN_GRPO and VERIFIER_ENV in env_names(cfg):
+    if script == RUN_GRPO and needs_registration(cfg):
         return [python, "-m", GRPO_DRIVER_MODULE, "--entry", script, "--config", str(config_path)]
     return [python, script, "--config", str(config_path)]
 
