@@ -1,13 +1,13 @@
-"""alignpipe's verifier environment for NeMo-RL: the pure parts, on a host without nemo_rl/ray.
-
-The NeMo-RL glue (Ray actor, register_env, ACTOR_ENVIRONMENT_REGISTRY, register_processor)
-only runs inside the NeMo-RL image; the scoring it delegates to is exercised here.
+"""alignpipe's verifier environment for NeMo-RL: the pure parts on a host without nemo_rl/ray,
+and the registration through NeMo-RL's own registries (vendored source). The environment as a
+real Ray actor inside NeMo-RL's data and reward path: tests/test_equivalence_rewards.py.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -51,34 +51,6 @@ def test_scores_with_each_rows_verifier() -> None:
     assert E.score_batch(logs, metadata) == [1.0, 0.0, 1.0, 0.0]
 
 
-def test_environment_step_contract_without_ray() -> None:
-    """step() returns one reward per conversation (via the pure path; torch builds the tensors)."""
-    torch = pytest.importorskip("torch")
-    env_cls = E._VerifierEnvironment
-    E.torch, E.EnvironmentReturn = torch, _EnvReturn
-    try:
-        env = env_cls({"num_generations_per_prompt": 2})
-        out = env.step(
-            [conversation("sort 21", "12"), conversation("sort 21", "21")],
-            [{"ground_truth": "12", "verifier": "exact"}] * 2,
-        )
-    finally:
-        E.torch, E.EnvironmentReturn = None, None
-    assert out.rewards.tolist() == [1.0, 0.0]
-    assert out.terminateds.tolist() == [True, True]
-    assert out.answers == ["12", "21"]
-    assert [o["content"] for o in out.observations] == ["Environment: correct", "Environment: incorrect"]
-    batch, metrics = env.global_post_process_and_metrics({"rewards": [1.0, 0.0, 0.0, 0.0]})
-    assert metrics == {"accuracy": 0.25, "num_samples": 4.0, "pass@2": 0.5}
-
-
-class _EnvReturn(dict):
-    """Stand-in for NeMo-RL's EnvironmentReturn NamedTuple: same field names, attribute access."""
-
-    def __getattr__(self, name):
-        return self[name]
-
-
 def test_env_info_round_trip_keeps_code_tests() -> None:
     data = {
         "prompt": "f(x)=?",
@@ -119,11 +91,6 @@ def test_last_assistant_turn_is_scored() -> None:
         E.score_batch([log, log], [{}])
 
 
-def test_batch_metrics_pass_at_group() -> None:
-    assert E.batch_metrics([1, 0, 0, 0, 1, 1], 3) == {"accuracy": 0.5, "num_samples": 6.0, "pass@3": 1.0}
-    assert "pass@4" not in E.batch_metrics([1, 0, 0], 4)  # incomplete groups: no pass@k
-
-
 def test_nemo_gym_rows(tmp_path: Path) -> None:
     src = tmp_path / "train.jsonl"
     src.write_text(
@@ -147,54 +114,43 @@ def test_nemo_gym_rows(tmp_path: Path) -> None:
         convert_file(bad, tmp_path / "out.jsonl", ref)
 
 
-def test_grpo_driver_registers_then_runs_the_entry_script(tmp_path: Path) -> None:
-    """The driver registers the env the two ways NeMo-RL v0.7.0 needs (nemo-rl.md §7) plus the
-    processor, then runs examples/run_grpo.py as __main__ with its own argv. NeMo-RL's registry
-    modules are stood in by minimal ones with the reference's names and signatures."""
+def test_grpo_driver_registers_then_runs_the_entry_script(tmp_path: Path, nemo_rl_src: Path) -> None:
+    """The driver registers the env the two ways NeMo-RL v0.7.0 needs (nemo-rl.md §7) plus both
+    processors, in NeMo-RL's own registries (the vendored source), then runs the entry script
+    as __main__ with its own argv. The entry script here only reports what it sees."""
     import subprocess
     import textwrap
 
-    from tests.conftest import REPO
+    from tests.conftest import REPO, nemo_rl_runtime_python
 
-    fake = tmp_path / "site"
-    modules = {
-        "nemo_rl/__init__.py": "",
-        "nemo_rl/data/__init__.py": "",
-        "nemo_rl/data/processors.py": "PROCESSORS = {}\ndef register_processor(name, fn):\n    PROCESSORS[name] = fn\n",
-        "nemo_rl/distributed/__init__.py": "",
-        "nemo_rl/distributed/ray_actor_environment_registry.py": "ACTOR_ENVIRONMENT_REGISTRY = {}\n",
-        "nemo_rl/distributed/virtual_cluster.py": "class PY_EXECUTABLES:\n    SYSTEM = 'SYSTEM-PYTHON'\n",
-        "nemo_rl/environments/__init__.py": "",
-        "nemo_rl/environments/utils.py": "ENV_REGISTRY = {}\ndef register_env(name, fqn):\n"
-        "    ENV_REGISTRY[name] = {'actor_class_fqn': fqn}\n",
-    }
-    for rel, text in modules.items():
-        (fake / rel).parent.mkdir(parents=True, exist_ok=True)
-        (fake / rel).write_text(text)
     checkout = tmp_path / "nemo-rl"
     (checkout / "examples").mkdir(parents=True)
     (checkout / "examples" / "run_grpo.py").write_text(
         textwrap.dedent(
             """
             import json, sys
-            from nemo_rl.data.processors import PROCESSORS
+            from nemo_rl.data.processors import PROCESSOR_REGISTRY
             from nemo_rl.distributed.ray_actor_environment_registry import ACTOR_ENVIRONMENT_REGISTRY
-            from nemo_rl.environments.utils import ENV_REGISTRY
+            from nemo_rl.distributed.virtual_cluster import PY_EXECUTABLES
+            from nemo_rl.environments.utils import ENV_REGISTRY, get_actor_python_env
             if __name__ == "__main__":
-                print(json.dumps({"argv": sys.argv, "env": ENV_REGISTRY, "actors": ACTOR_ENVIRONMENT_REGISTRY,
-                                  "processors": sorted(PROCESSORS)}))
+                print(json.dumps({"argv": sys.argv, "env": ENV_REGISTRY, "system": PY_EXECUTABLES.SYSTEM,
+                                  "actors": ACTOR_ENVIRONMENT_REGISTRY, "processors": sorted(PROCESSOR_REGISTRY),
+                                  "python": get_actor_python_env(ENV_REGISTRY["alignpipe_verifier"]["actor_class_fqn"])}))
             """
         )
     )
+    python = nemo_rl_runtime_python()
     proc = subprocess.run(
-        [sys.executable, "-m", "alignpipe.engines.nemo_rl.grpo_driver", "--entry", "examples/run_grpo.py",
+        [str(python), "-m", "alignpipe.engines.nemo_rl.grpo_driver", "--entry", "examples/run_grpo.py",
          "--config", "/scratch/c.yaml", "grpo.max_num_steps=3"],
-        cwd=checkout, capture_output=True, text=True, timeout=120,
-        env={"PYTHONPATH": f"{fake}:{REPO}", "PATH": "/usr/bin:/bin"},
+        cwd=checkout, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": f"{nemo_rl_src}:{REPO}"},
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.stderr[-4000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["argv"] == ["examples/run_grpo.py", "--config", "/scratch/c.yaml", "grpo.max_num_steps=3"]
-    assert seen["env"] == {E.ENV_NAME: {"actor_class_fqn": E.ACTOR_FQN}}
-    assert seen["actors"] == {E.ACTOR_FQN: "SYSTEM-PYTHON"}
-    assert seen["processors"] == [E.PROCESSOR_NAME]
+    assert seen["env"][E.ENV_NAME] == {"actor_class_fqn": E.ACTOR_FQN}
+    assert "math" in seen["env"]  # NeMo-RL's own registry, not a stand-in
+    assert seen["actors"][E.ACTOR_FQN] == seen["system"] == seen["python"]
+    assert {E.PROCESSOR_NAME, E.RM_PROCESSOR_NAME, "math_hf_data_processor"} <= set(seen["processors"])
