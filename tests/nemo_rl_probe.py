@@ -143,6 +143,39 @@ def rlvr_rewards(payload: dict) -> dict:
         ray.shutdown()
 
 
+def dpo_loss(payload: dict) -> list[dict]:
+    """Per case: ``DPOLossFn(DPOLossConfig(**dpo))`` as run_dpo's setup builds it, on the policy
+    logits of one batch of pairs interleaved [chosen, rejected, ...] as ``preference_collate_fn``
+    lays them out, the reference's next-token log-probs (``add_ref_logprobs_to_data`` rolls them
+    left by one), normalised by the batch's valid sequences and tokens. Returns the loss, its
+    metrics and the gradient with respect to the logits."""
+    from nemo_rl.algorithms.loss import DPOLossConfig, DPOLossFn, prepare_loss_input
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    out = []
+    for case in payload["cases"]:
+        loss_fn = DPOLossFn(DPOLossConfig(**case["dpo"]))
+        logits = case["logits"].clone().requires_grad_(True)
+        data = BatchedDataDict(
+            {
+                "input_ids": case["input_ids"],
+                "token_mask": case["token_mask"],
+                "sample_mask": torch.ones(case["input_ids"].shape[0]),
+                "reference_policy_logprobs": case["reference_logprobs"],
+            }
+        )
+        loss_input, data = prepare_loss_input(logits, data, loss_fn)
+        loss, metrics = loss_fn(
+            data=data,
+            global_valid_seqs=data["sample_mask"].sum(),
+            global_valid_toks=(data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum(),
+            **loss_input,
+        )
+        loss.backward()
+        out.append({"loss": loss.detach(), "metrics": metrics, "grad": logits.grad.clone()})
+    return out
+
+
 def sft_data(payload: dict) -> list[dict]:
     """The rendered sft config's training data as examples/run_sft.py's ``setup_data`` builds it
     (dataset class, ``sft_processor`` with the config's add_bos/add_eos/add_generation_prompt),
@@ -238,6 +271,7 @@ PROBES = {
     "rm_env_tokens": rm_env_tokens,
     "advantages": advantages,
     "grpo_loss": grpo_loss,
+    "dpo_loss": dpo_loss,
     "rlvr_rewards": rlvr_rewards,
     "sft_data": sft_data,
     "preference_data": preference_data,

@@ -12,7 +12,6 @@ from safetensors.torch import load_file
 from alignpipe.artifacts import dvc_hash, read_manifest
 from alignpipe.context import build_context
 from alignpipe.engines.local import training
-from alignpipe.errors import UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
 from tests.conftest import REPO, run_cli, set_params, writable_copy
 
@@ -123,13 +122,25 @@ def loss_config(**dpo_knobs) -> dict:
 
 def test_nemo_rl_loss_keys_map_to_trl_loss_types():
     plain = loss_config(reference_policy_kl_penalty=0.2, sft_loss_weight=0, preference_loss_weight=1)
-    assert plain == {"beta": 0.2, "loss_type": ["sigmoid"], "loss_weights": [1.0]}
+    assert plain == {"beta": 0.2, "loss_type": ["sigmoid"], "loss_weights": [1.0],
+                     "sft": {"weight": 0.0, "average": True}}  # fmt: skip
     averaged = loss_config(preference_average_log_probs=True, sft_loss_weight=0)
     assert averaged["loss_type"] == ["sigmoid_norm"]
-    mixed = loss_config(sft_loss_weight=0.3, sft_average_log_probs=True, preference_loss_weight=0.7)
-    assert mixed["loss_type"] == ["sigmoid", "sft"] and mixed["loss_weights"] == [0.7, 0.3]
+    mixed = loss_config(sft_loss_weight=0.3, sft_average_log_probs=False, preference_loss_weight=0.7)
+    assert mixed["loss_type"] == ["sigmoid"] and mixed["loss_weights"] == [0.7]
+    assert mixed["sft"] == {"weight": 0.3, "average": False}  # summed per response, as NeMo-RL allows
 
 
-def test_summed_sft_loss_is_refused_not_approximated():
-    with pytest.raises(UnsupportedSetting, match="sft_average_log_probs"):
-        loss_config(sft_loss_weight=0.5, sft_average_log_probs=False)
+def test_sft_term_is_a_mean_over_responses_not_over_pooled_tokens():
+    """NeMo-RL averages each chosen response's NLL, then the responses; TRL's "sft" pools the
+    batch's tokens, which weighs a long response more. By hand, on two responses of 1 and 3 tokens."""
+    import torch
+
+    from alignpipe.engines.local.dpo import sft_term
+
+    logps = torch.tensor([[-1.0, 0.0, 0.0], [-2.0, -2.0, -2.0], [-9.0, -9.0, -9.0], [-9.0, -9.0, -9.0]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]])  # [chosen, chosen, rejected, rejected]
+    assert sft_term(logps, mask, average=True).item() == pytest.approx((1.0 + 2.0) / 2)
+    assert sft_term(logps, mask, average=False).item() == pytest.approx((1.0 + 6.0) / 2)
+    pooled = (1.0 + 6.0) / 4  # what TRL's sft loss type would give
+    assert sft_term(logps, mask, average=True).item() != pytest.approx(pooled)

@@ -28,7 +28,7 @@ LOCAL_ONLY = {
              "val/verifier_accuracy", "val/rm_score"},
 }  # fmt: skip
 NEMO_RL_ONLY = {
-    "dpo": {"train/preference_loss", "train/sft_loss"},
+    "dpo": {"train/preference_loss"},
     "rm": {"train/chosen_reward", "train/rejected_reward"},
 }
 

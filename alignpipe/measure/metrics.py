@@ -140,7 +140,12 @@ VOCABULARY: dict[str, tuple[Metric, ...]] = {
             ("train/preference_loss",),
             "the DPO term of the loss (NeMo-RL only)",
         ),
-        Metric("train/sft_loss", None, ("train/sft_loss",), "the SFT term of the loss (NeMo-RL only)"),
+        Metric(
+            "train/sft_loss",
+            "sft_loss",
+            ("train/sft_loss",),
+            "the SFT term of the loss (dpo.sft_loss_weight)",
+        ),
         Metric(
             "val/kl_to_reference", "val_kl_to_reference", (), "exact KL on validation answers (local only)"
         ),

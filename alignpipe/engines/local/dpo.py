@@ -14,8 +14,7 @@ NeMo-RL ``dpo.yaml`` key -> TRL (see also ``training.trl_common_args``):
 | dpo.preference_average_log_probs: false       | loss_type ``sigmoid`` (summed log-prob ratios)                |
 | dpo.preference_average_log_probs: true        | loss_type ``sigmoid_norm`` (ratios divided by response tokens) |
 | dpo.preference_loss_weight                    | loss_weights[0]                                              |
-| dpo.sft_loss_weight > 0                       | loss_type += ``sft``, loss_weights[1] = sft_loss_weight      |
-| dpo.sft_average_log_probs                     | must be true when sft_loss_weight > 0 (TRL's ``sft`` averages tokens) |
+| dpo.sft_loss_weight, dpo.sft_average_log_probs | ``sft_term`` (per response, then the mean; TRL's ``sft`` pools tokens) |
 | dpo.max_num_steps, dpo.max_num_epochs         | max_steps = min(steps, epochs x steps/epoch)                 |
 | dpo.val_period, val_at_start, val_at_end      | our validation callback (``preference_metrics``)              |
 | dpo.val_batches x val_global_batch_size       | validation pairs scored (-1: all)                            |
@@ -56,20 +55,25 @@ def loss_settings(ctx: StageContext) -> dict[str, Any]:
     average = bool(get_path(cfg, "dpo.preference_average_log_probs", False))
     pref_weight = float(get_path(cfg, "dpo.preference_loss_weight", 1.0))
     sft_weight = float(get_path(cfg, "dpo.sft_loss_weight", 0.0) or 0.0)
-    loss_type = ["sigmoid_norm" if average else "sigmoid"]
-    weights = [pref_weight]
-    if sft_weight > 0:
-        # TRL's "sft" term is the mean NLL per chosen-response token; NeMo-RL's summed form
-        # (sft_average_log_probs: false) has no TRL equivalent, so it is refused, not approximated.
-        if not get_path(cfg, "dpo.sft_average_log_probs", average):
-            raise UnsupportedSetting(
-                f"{where}: dpo.sft_loss_weight={sft_weight} with dpo.sft_average_log_probs=false asks for an SFT "
-                "loss summed over response tokens; TRL 1.16 (the local engine) only averages it per token. "
-                "fix: set dpo.sft_average_log_probs: true"
-            )
-        loss_type.append("sft")
-        weights.append(sft_weight)
-    return {"beta": beta, "loss_type": loss_type, "loss_weights": weights}
+    return {
+        "beta": beta,
+        "loss_type": ["sigmoid_norm" if average else "sigmoid"],
+        "loss_weights": [pref_weight],
+        # NeMo-RL's SFT term, added by TokenizedDPOTrainer (TRL's "sft" pools the batch's tokens)
+        "sft": {"weight": sft_weight, "average": bool(get_path(cfg, "dpo.sft_average_log_probs", average))},
+    }
+
+
+def sft_term(per_token_logps, shift_completion_mask, average: bool):
+    """NeMo-RL's DPO SFT term (``DPOLossFn`` with ``NLLLossFn(dpo_loss=True)``): each chosen
+    response's NLL, summed over its tokens or averaged (``sft_average_log_probs``), then the mean
+    over chosen responses. Rows are [chosen..., rejected...]."""
+    chosen, _ = per_token_logps.chunk(2, dim=0)
+    mask, _ = shift_completion_mask.chunk(2, dim=0)
+    nll = -(chosen * mask).sum(-1)
+    if average:
+        nll = nll / mask.sum(-1).clamp(min=1)
+    return nll.mean()
 
 
 def pair_tensors(tokenizer, pairs: list[dict[str, Any]]):
@@ -92,13 +96,37 @@ def make_trainer_class():
     from trl import DPOTrainer
 
     class TokenizedDPOTrainer(DPOTrainer):
-        """DPOTrainer over pairs tokenised as NeMo-RL tokenises them (:func:`trl_pairs`): TRL 1.16
-        re-tokenises every dataset itself; rows that already carry ``prompt_ids`` pass through."""
+        """DPOTrainer over pairs tokenised as NeMo-RL tokenises them (:func:`trl_pairs`), plus
+        NeMo-RL's SFT term (:func:`sft_term`). TRL 1.16 re-tokenises every dataset itself; rows
+        that already carry ``prompt_ids`` pass through."""
+
+        def __init__(self, *args, sft: dict[str, Any] | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.sft = sft or {"weight": 0.0, "average": True}
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             if "prompt_ids" in dataset.column_names:
                 return dataset
             return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+        def _compute_loss(self, model, inputs, return_outputs):
+            if not self.sft["weight"]:
+                return super()._compute_loss(model, inputs, return_outputs)
+            seen = {}
+            # The policy's forward (TRL's fused head) returns the per-token log-probs; keep them.
+            hook = model.register_forward_hook(lambda module, args, output: seen.setdefault("out", output))
+            try:
+                result = super()._compute_loss(model, inputs, return_outputs)
+            finally:
+                hook.remove()
+            mask = inputs["completion_mask"][..., 1:]
+            term = sft_term(seen["out"].log_probs[:, -mask.size(1) :], mask, self.sft["average"])
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["sft_loss"].append(self.accelerator.gather(term.detach()).mean().item())
+            if return_outputs:
+                loss, outputs = result
+                return loss + self.sft["weight"] * term, outputs
+            return result + self.sft["weight"] * term
 
     return TokenizedDPOTrainer
 
@@ -216,6 +244,7 @@ def run(ctx: StageContext) -> None:
     trl_args.update(
         eval_strategy="no", eval_steps=None, max_steps=training.step_budget(ctx, "dpo", len(train_pairs))
     )
+    sft = losses.pop("sft")
     args = DPOConfig(
         **trl_args,
         **losses,
@@ -242,6 +271,7 @@ def run(ctx: StageContext) -> None:
         at_start=bool(val_pairs) and bool(get_path(cfg, "dpo.val_at_start", False)),
     )
     trainer = make_trainer_class()(
+        sft=sft,
         model=model,
         ref_model=reference,
         args=args,
