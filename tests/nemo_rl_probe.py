@@ -176,6 +176,104 @@ def dpo_loss(payload: dict) -> list[dict]:
     return out
 
 
+class ScriptedGeneration:
+    """The one stand-in: there is no GPU for vLLM. It answers each rollout with the next scripted
+    completion (token ids of the text), in the output layout NeMo-RL's generation workers use
+    (input ids, then the generated ids; lengths; right padding)."""
+
+    def __init__(self, tokenizer, completions: list[str]):
+        self.tokenizer, self.completions, self.calls = tokenizer, list(completions), 0
+
+    def generate(self, data, greedy: bool = False):
+        from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+        rows, gen_lengths, lengths = [], [], []
+        for i in range(data["input_ids"].shape[0]):
+            prompt = data["input_ids"][i, : int(data["input_lengths"][i])].tolist()
+            new = self.tokenizer(self.completions[self.calls], add_special_tokens=False)["input_ids"]
+            new = new + [self.tokenizer.eos_token_id]
+            self.calls += 1
+            rows.append(prompt + new)
+            gen_lengths.append(len(new))
+            lengths.append(len(prompt) + len(new))
+        width = max(lengths)
+        pad = self.tokenizer.pad_token_id
+        return BatchedDataDict(
+            {
+                "output_ids": torch.tensor([r + [pad] * (width - len(r)) for r in rows]),
+                "generation_lengths": torch.tensor(gen_lengths),
+                "unpadded_sequence_lengths": torch.tensor(lengths),
+                "logprobs": torch.zeros(len(rows), width),
+            }
+        )
+
+
+def grpo_rollout(payload: dict) -> dict:
+    """One GRPO step's rollout through NeMo-RL's own loop, as grpo_train runs it: the rendered
+    config's data and environment (``setup_response_data``, a real Ray actor from
+    ``create_env``), ``rl_collate_fn``, ``repeat_interleave(num_generations_per_prompt)``,
+    ``run_multi_turn_rollout`` with :class:`ScriptedGeneration`, then the advantage estimator
+    over ``extract_initial_prompt_messages``' prompt ids. Returns rewards, advantages and what
+    each completion decoded to."""
+    import os
+
+    import ray
+
+    os.environ.pop("RAY_ADDRESS", None)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        from nemo_rl.algorithms.grpo import (
+            _clip_grpo_advantages,
+            _create_advantage_estimator,
+            extract_initial_prompt_messages,
+        )
+        from nemo_rl.algorithms.utils import get_tokenizer
+        from nemo_rl.data.collate_fn import rl_collate_fn
+        from nemo_rl.data.llm_message_utils import batched_message_log_to_flat_message
+        from nemo_rl.data.utils import setup_response_data
+        from nemo_rl.experience.rollouts import run_multi_turn_rollout
+
+        from alignpipe.engines.nemo_rl.environment import register
+
+        register()
+        cfg = payload["config"]
+        tokenizer = get_tokenizer(cfg["policy"]["tokenizer"])
+        train, _, task_to_env, _ = setup_response_data(tokenizer, cfg["data"], cfg["env"])
+        batch = rl_collate_fn([train[i] for i in range(len(train))])
+        repeated = batch.repeat_interleave(cfg["grpo"]["num_generations_per_prompt"])
+        final, _ = run_multi_turn_rollout(
+            policy_generation=ScriptedGeneration(tokenizer, payload["completions"]),
+            input_batch=repeated,
+            tokenizer=tokenizer,
+            task_to_env=task_to_env,
+            max_seq_len=cfg["policy"]["max_total_sequence_length"],
+            max_rollout_turns=cfg["grpo"].get("max_rollout_turns", 1),
+            greedy=False,
+        )
+        prompts = extract_initial_prompt_messages(final["message_log"], final["length"])
+        flat, _ = batched_message_log_to_flat_message(
+            prompts, pad_value_dict={"token_ids": tokenizer.pad_token_id}
+        )
+        rewards = final["total_reward"]
+        estimator = _create_advantage_estimator(
+            types.SimpleNamespace(grpo=cfg["grpo"], loss_fn=cfg["loss_fn"])
+        )
+        mask = torch.ones(rewards.shape[0], 2)
+        adv = estimator.compute_advantage(
+            prompt_ids=flat["token_ids"], rewards=rewards.clone(), mask=mask, repeated_batch=final
+        )
+        return {
+            "rewards": rewards.tolist(),
+            "advantages": _clip_grpo_advantages(adv, cfg["grpo"])[:, 0].tolist(),
+            "completions": [
+                next(m["content"] for m in reversed(log) if m["role"] == "assistant")
+                for log in final["message_log"]
+            ],
+        }
+    finally:
+        ray.shutdown()
+
+
 def sft_data(payload: dict) -> list[dict]:
     """The rendered sft config's training data as examples/run_sft.py's ``setup_data`` builds it
     (dataset class, ``sft_processor`` with the config's add_bos/add_eos/add_generation_prompt),
@@ -272,6 +370,7 @@ PROBES = {
     "advantages": advantages,
     "grpo_loss": grpo_loss,
     "dpo_loss": dpo_loss,
+    "grpo_rollout": grpo_rollout,
     "rlvr_rewards": rlvr_rewards,
     "sft_data": sft_data,
     "preference_data": preference_data,

@@ -145,3 +145,68 @@ def test_rlhf_reward_model_scores_what_rm_trained_on(profile, nemo_rl_runtime, t
     assert [p["chosen_input_ids"] for p in trained] == theirs
     text = tokenizer.decode(theirs[0])
     assert text.count("sort 312") == 1 and "\\boxed{123}" in text  # templated once
+
+
+# The same prompt twice in one step: NeMo-RL's estimator makes it one group of 2G.
+ROLLOUT_ROWS = [
+    {"prompt": "sort 312", "answer": "123", "verifier": "exact", "extract": "boxed"},
+    {"prompt": "add 2 3", "answer": "5", "verifier": "numeric"},
+    {"prompt": "sort 312", "answer": "123", "verifier": "exact", "extract": "boxed"},
+]
+ANSWERS = {  # completions the scripted policy cycles through, right and wrong
+    "sort 312": ["so \\boxed{123}", "\\boxed{321}", "123", "\\boxed{1} then \\boxed{123}"],
+    "add 2 3": ["5", "5.0", "6", "five"],
+}
+
+
+@pytest.mark.parametrize("profile", ["tiny", "small"])
+def test_one_grpo_rollout_through_nemo_rls_loop_gives_the_local_rewards_and_advantages(
+    profile, nemo_rl_runtime, tmp_path: Path
+) -> None:
+    """run_multi_turn_rollout (nemo_rl/experience/rollouts.py) with a scripted generation (no GPU
+    for vLLM) and alignpipe's environment as a Ray actor: per completion the reward the local
+    engine's reward function gives, and per sample the advantage its trainer computes."""
+    from transformers import AutoTokenizer
+
+    from alignpipe.engines.local.grpo import advantage_settings
+    from alignpipe.rewards.advantages import step_advantages
+
+    if profile == "small":
+        from tests.smollm2 import build
+
+        tokenizer_dir = build()
+    else:
+        from alignpipe.tiny import train_char_tokenizer
+
+        tokenizer_dir = tmp_path / "tokenizer"
+        train_char_tokenizer(["".join(chr(c) for c in range(32, 127))]).save_pretrained(tokenizer_dir)
+    cfg = rendered("rlvr", profile, tmp_path)
+    group = int(cfg["grpo"]["num_generations_per_prompt"])
+    cfg["data"]["train"]["data_path"] = str(tmp_path / "train.jsonl")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROLLOUT_ROWS))
+    cfg["data"].pop("validation", None)
+    cfg["data"]["shuffle"] = False
+    cfg["policy"]["tokenizer"]["name"] = str(tokenizer_dir)
+    rows = [r for r in ROLLOUT_ROWS for _ in range(group)]
+    completions = [
+        ANSWERS[r["prompt"]][(i + k) % 4] for k, r in enumerate(ROLLOUT_ROWS) for i in range(group)
+    ]
+    theirs = nemo_rl_runtime("grpo_rollout", {"config": cfg, "completions": completions})
+    assert theirs["completions"] == completions  # what the environment read is what was generated
+
+    ours = local_rewards(profile, rows, completions, tmp_path)
+    assert theirs["rewards"] == pytest.approx(ours, abs=1e-6)
+    assert 0.0 < sum(ours) < len(ours)  # right and wrong answers in the step
+
+    import torch
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True)
+        for r in rows
+    ]
+    prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
+    width = max(len(p) for p in prompts)
+    left = torch.tensor([[-1] * (width - len(p)) + list(p) for p in prompts])  # TRL's left padding, masked
+    local = step_advantages(torch.tensor(ours), left, **advantage_settings({"grpo": cfg["grpo"]}))
+    assert theirs["advantages"] == pytest.approx(local.tolist(), abs=1e-5)
