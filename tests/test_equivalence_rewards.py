@@ -15,6 +15,7 @@ import pytest
 
 from alignpipe.engines.local.grpo import RewardFn
 from alignpipe.engines.local.rlvr import verifier_score
+from tests.conftest import REPO
 from tests.test_nemo_rl_render import rendered
 
 ADD_TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\n"
@@ -52,7 +53,6 @@ def local_rewards(profile: str, rows: list[dict], completions: list[str], tmp: P
     conversational rollouts, as GRPOTrainer calls it."""
     from alignpipe.config import load_params
     from alignpipe.context import build_context
-    from tests.conftest import REPO
 
     ctx = build_context(REPO, "rlvr", profile, params=load_params(REPO))
     shaping = (ctx.config.get("alignpipe") or {}).get("reward_shaping") or {}
@@ -93,7 +93,6 @@ def test_local_only_reward_shaping_is_refused_on_the_nemo_rl_engine() -> None:
     from alignpipe.context import build_context
     from alignpipe.engines.nemo_rl import engine
     from alignpipe.errors import UnsupportedSetting
-    from tests.conftest import REPO
 
     params = load_params(REPO)
     params["runtime"] = {**params.get("runtime", {}), "engine": "nemo_rl"}
@@ -210,3 +209,15 @@ def test_one_grpo_rollout_through_nemo_rls_loop_gives_the_local_rewards_and_adva
     left = torch.tensor([[-1] * (width - len(p)) + list(p) for p in prompts])  # TRL's left padding, masked
     local = step_advantages(torch.tensor(ours), left, **advantage_settings({"grpo": cfg["grpo"]}))
     assert theirs["advantages"] == pytest.approx(local.tolist(), abs=1e-5)
+
+
+def test_rlhf_reward_clip_is_refused_on_the_nemo_rl_engine() -> None:
+    from alignpipe.config import load_params
+    from alignpipe.context import build_context
+    from alignpipe.engines.nemo_rl import engine
+
+    params = load_params(REPO)
+    problems = engine.dropped_training_knobs("rlhf", build_context(REPO, "rlhf", params=params).config)
+    assert any("alignpipe.reward_clip=[-10.0, 10.0]" in p and "grpo.reward_scaling" in p for p in problems)
+    default = build_context(REPO, "rlhf", "default", params=params).config
+    assert engine.dropped_training_knobs("rlhf", default) == []  # the GPU profile sets nothing local-only

@@ -101,6 +101,13 @@ def dropped_training_knobs(stage: str, cfg: dict[str, Any]) -> list[str]:
             "grpo.reward_shaping (DAPO overlong length penalty) and grpo.reward_scaling (clamp and linear "
             "map): use those, or set these options to 0/null"
         )
+    clip = get_path(cfg, "alignpipe.reward_clip")
+    if stage == "rlhf" and clip and any(bound is not None for bound in clip):
+        problems.append(
+            f"alignpipe.reward_clip={list(clip)} clips reward-model scores on the local engine only; NeMo-RL's "
+            "reward-model environment passes them unclipped: use grpo.reward_scaling (source_min/source_max "
+            "clamp), or set alignpipe.reward_clip: null"
+        )
     if stage in ("sft", "rm", "dpo") and get_path(cfg, "data.default.system_prompt_file"):
         problems.append(
             f"data.default.system_prompt_file={get_path(cfg, 'data.default.system_prompt_file')!r}: NeMo-RL v0.7.0's "
