@@ -274,6 +274,43 @@ def grpo_rollout(payload: dict) -> dict:
         ray.shutdown()
 
 
+def sft_loss(payload: dict) -> dict:
+    """``NLLLossFn`` (run_sft's loss) on one batch's logits, token mask and sample weights,
+    normalised by the batch's valid tokens; returns the loss and the gradient w.r.t. the logits."""
+    from nemo_rl.algorithms.loss import NLLLossFn, prepare_loss_input
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    loss_fn = NLLLossFn()
+    logits = payload["logits"].clone().requires_grad_(True)
+    data = BatchedDataDict(
+        {
+            "input_ids": payload["input_ids"],
+            "token_mask": payload["token_mask"],
+            "sample_mask": payload["sample_mask"],
+        }
+    )
+    loss_input, data = prepare_loss_input(logits, data, loss_fn)
+    mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
+    loss, _ = loss_fn(
+        data=data, global_valid_seqs=data["sample_mask"].sum(), global_valid_toks=mask.sum(), **loss_input
+    )
+    loss.backward()
+    return {"loss": loss.detach(), "grad": logits.grad.clone()}
+
+
+def rm_loss(payload: dict) -> dict:
+    """``PreferenceLossFn`` (run_rm's Bradley-Terry loss) on one batch's rewards, interleaved
+    [chosen, rejected, ...]; returns the loss, its metrics and the gradient w.r.t. the rewards."""
+    from nemo_rl.algorithms.loss import PreferenceLossFn
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    rewards = payload["rewards"].clone().requires_grad_(True)
+    data = BatchedDataDict({"sample_mask": torch.ones(rewards.shape[0])})
+    loss, metrics = PreferenceLossFn()(rewards[:, None], data, data["sample_mask"].sum(), None)
+    loss.backward()
+    return {"loss": loss.detach(), "metrics": metrics, "grad": rewards.grad.clone()}
+
+
 def sft_data(payload: dict) -> list[dict]:
     """The rendered sft config's training data as examples/run_sft.py's ``setup_data`` builds it
     (dataset class, ``sft_processor`` with the config's add_bos/add_eos/add_generation_prompt),
@@ -370,6 +407,8 @@ PROBES = {
     "advantages": advantages,
     "grpo_loss": grpo_loss,
     "dpo_loss": dpo_loss,
+    "sft_loss": sft_loss,
+    "rm_loss": rm_loss,
     "grpo_rollout": grpo_rollout,
     "rlvr_rewards": rlvr_rewards,
     "sft_data": sft_data,

@@ -109,3 +109,87 @@ def test_dpo_loss_and_gradient_equal_nemo_rls(models, nemo_rl_runtime, tmp_path:
         grad_hidden = theirs["grad"][inverse] @ case["weight"]
         assert grad_hidden.abs().max() > 1e-4, name
         torch.testing.assert_close(mine["grad"], grad_hidden, rtol=0, atol=1e-5, msg=name)
+
+
+def test_sft_loss_and_gradient_equal_nemo_rls_nll(models, nemo_rl_runtime, tmp_path: Path) -> None:
+    """The local SFT trainer's loss on one batch of its own rows (NeMo-RL's tokens, a weight-0
+    row among them) against NeMo-RL's NLLLossFn on the same logits: loss 1e-5, gradient 1e-5."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from alignpipe.engines.local.sft import sft_examples
+    from alignpipe.measure.logprobs import load_policy
+
+    policy, tokenizer = load_policy(models[0])
+    cfg = rendered("sft", "tiny", tmp_path)
+    limit = int(cfg["data"]["max_input_seq_length"])
+    conversations = [
+        [{"role": "user", "content": "sort 312"}, {"role": "assistant", "content": "123"}],
+        [{"role": "user", "content": "reverse abcdef"}, {"role": "assistant", "content": "fedcba"}],
+        [{"role": "user", "content": "9" * limit}, {"role": "assistant", "content": "1"}],  # weight 0
+    ]
+    rows = sft_examples(tokenizer, conversations, cfg)
+    args = SFTConfig(output_dir=str(tmp_path / "sft"), report_to=[], use_cpu=True, completion_only_loss=True,
+                     packing=False, max_length=None)  # as sft.run: the rows already follow NeMo-RL's length rule  # fmt: skip
+    trainer = SFTTrainer(
+        model=policy, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer
+    )
+    inputs = trainer.data_collator([dict(r) for r in trainer.train_dataset])
+    policy.eval()
+    seen = {}
+    hook = policy.model.norm.register_forward_hook(lambda m, a, out: seen.setdefault("hidden", out))
+    loss = trainer.compute_loss(policy, inputs)
+    hook.remove()
+    seen["hidden"].retain_grad()
+    loss.backward()
+    weight = policy.lm_head.weight.detach()
+    theirs = nemo_rl_runtime("sft_loss", {
+        "logits": seen["hidden"].detach() @ weight.T,
+        "input_ids": inputs["input_ids"],
+        "token_mask": (inputs["labels"] != -100).float(),  # the collator's view of completion_mask
+        "sample_mask": torch.tensor([1.0, 1.0, 0.0]),  # sft_processor's loss_multiplier
+    })  # fmt: skip
+    assert inputs["labels"][2].eq(-100).all()  # the weight-0 row trains nothing locally either
+    torch.testing.assert_close(loss.detach(), theirs["loss"].to(loss.dtype), rtol=0, atol=1e-5)
+    torch.testing.assert_close(seen["hidden"].grad, theirs["grad"] @ weight, rtol=0, atol=1e-5)
+
+
+def test_rm_loss_and_gradient_equal_nemo_rls_preference_loss(models, nemo_rl_runtime, tmp_path: Path) -> None:
+    """The local RM trainer's Bradley-Terry loss on one batch of pairs against NeMo-RL's
+    PreferenceLossFn on the same rewards: loss and gradient with respect to each reward."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import RewardConfig, RewardTrainer
+
+    from alignpipe.engines.local.rm import load_reward_model
+    from alignpipe.engines.local.training import preference_examples
+
+    tokenizer = AutoTokenizer.from_pretrained(models[0], local_files_only=True)
+    torch.manual_seed(0)
+    model = load_reward_model(str(models[0]), tokenizer)
+    cfg = rendered("rm", "tiny", tmp_path)
+    pairs = preference_examples(tokenizer, PAIRS, cfg)
+    rows = [{"chosen_ids": p["chosen_input_ids"], "rejected_ids": p["rejected_input_ids"]} for p in pairs]
+    args = RewardConfig(output_dir=str(tmp_path / "rm"), report_to=[], use_cpu=True, disable_dropout=True,
+                        max_length=int(cfg["policy"]["max_total_sequence_length"]))  # fmt: skip
+    trainer = RewardTrainer(
+        model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer
+    )
+    inputs = trainer.data_collator([dict(r) for r in trainer.train_dataset])
+    model.eval()
+    seen = {}
+    hook = model.score.register_forward_hook(lambda m, a, out: seen.setdefault("scores", out))
+    loss = trainer.compute_loss(model, inputs)
+    hook.remove()
+    scores = seen["scores"]  # [2B, T, 1]: the head at every position; the model reads each row's last token
+    scores.retain_grad()
+    loss.backward()
+    last = inputs["attention_mask"].sum(-1) - 1
+    rewards = scores.detach()[torch.arange(len(last)), last, 0]
+    n = len(rows)
+    order = [i for k in range(n) for i in (k, n + k)]  # NeMo-RL interleaves [chosen, rejected, ...]
+    theirs = nemo_rl_runtime("rm_loss", {"rewards": rewards[order]})
+    torch.testing.assert_close(loss.detach(), theirs["loss"].to(loss.dtype), rtol=0, atol=1e-6)
+    grad = scores.grad[torch.arange(len(last)), last, 0]
+    torch.testing.assert_close(grad, theirs["grad"][torch.argsort(torch.tensor(order))], rtol=0, atol=1e-6)
+    assert scores.grad.abs().sum() == pytest.approx(grad.abs().sum().item())  # only the last tokens train

@@ -90,7 +90,8 @@ def run(ctx: StageContext) -> None:
             val = val.select(range(min(n, len(val))))
         args = SFTConfig(
             **training.trl_common_args(ctx, "sft", ctx.scratch_dir),
-            max_length=int(cfg["policy"]["max_total_sequence_length"]),
+            # sft_examples applied NeMo-RL's length rule; TRL's would also drop the weight-0 rows
+            max_length=None,
             packing=False,
             completion_only_loss=True,
             eval_on_start=bool(get_path(cfg, "sft.val_at_start", False)),
