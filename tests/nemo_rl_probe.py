@@ -34,6 +34,18 @@ import torch  # noqa: E402
 torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
 
 
+_REGISTERED = []
+
+
+def register_once() -> None:
+    """alignpipe's ``register()`` as grpo_driver runs it; NeMo-RL refuses a processor name twice."""
+    if not _REGISTERED:
+        from alignpipe.engines.nemo_rl.environment import register
+
+        register()
+        _REGISTERED.append(True)
+
+
 def advantages(payload: dict) -> list[torch.Tensor]:
     """Per case: the estimator ``grpo.py::_create_advantage_estimator`` builds from the rendered
     ``grpo``/``loss_fn`` sections, applied as grpo_train applies it (right-padded prompt ids,
@@ -103,44 +115,33 @@ def rlvr_rewards(payload: dict) -> dict:
     ``create_env`` as a real Ray actor), then each row's prompt plus the given completion
     through ``rollouts.py::calculate_rewards``. Returns the rewards and what the processor made
     of each row."""
-    import os
+    from nemo_rl.algorithms.utils import get_tokenizer
+    from nemo_rl.data.utils import setup_response_data
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+    from nemo_rl.experience.rollouts import calculate_rewards
 
-    import ray
-
-    os.environ.pop("RAY_ADDRESS", None)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        from nemo_rl.algorithms.utils import get_tokenizer
-        from nemo_rl.data.utils import setup_response_data
-        from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-        from nemo_rl.experience.rollouts import calculate_rewards
-
-        from alignpipe.engines.nemo_rl.environment import register
-
-        register()
-        cfg = payload["config"]
-        tokenizer = get_tokenizer(cfg["policy"]["tokenizer"])
-        train, _, task_to_env, _ = setup_response_data(tokenizer, cfg["data"], cfg["env"])
-        data = [train[i] for i in range(len(train))]
-        logs = [
-            [*d["message_log"], {"role": "assistant", "content": completion}]
-            for d, completion in zip(data, payload["completions"], strict=True)
-        ]
-        batch = BatchedDataDict(
-            {
-                "message_log": logs,
-                "task_name": [d["task_name"] for d in data],
-                "extra_env_info": [d["extra_env_info"] for d in data],
-            }
-        )
-        returned = calculate_rewards(batch, task_to_env)
-        return {
-            "rewards": returned.rewards.tolist(),
-            "prompts": [d["message_log"][-1]["content"] for d in data],
+    register_once()
+    cfg = payload["config"]
+    tokenizer = get_tokenizer(cfg["policy"]["tokenizer"])
+    train, _, task_to_env, _ = setup_response_data(tokenizer, cfg["data"], cfg["env"])
+    data = [train[i] for i in range(len(train))]
+    logs = [
+        [*d["message_log"], {"role": "assistant", "content": completion}]
+        for d, completion in zip(data, payload["completions"], strict=True)
+    ]
+    batch = BatchedDataDict(
+        {
+            "message_log": logs,
+            "task_name": [d["task_name"] for d in data],
             "extra_env_info": [d["extra_env_info"] for d in data],
         }
-    finally:
-        ray.shutdown()
+    )
+    returned = calculate_rewards(batch, task_to_env)
+    return {
+        "rewards": returned.rewards.tolist(),
+        "prompts": [d["message_log"][-1]["content"] for d in data],
+        "extra_env_info": [d["extra_env_info"] for d in data],
+    }
 
 
 def dpo_loss(payload: dict) -> list[dict]:
@@ -215,63 +216,50 @@ def grpo_rollout(payload: dict) -> dict:
     ``run_multi_turn_rollout`` with :class:`ScriptedGeneration`, then the advantage estimator
     over ``extract_initial_prompt_messages``' prompt ids. Returns rewards, advantages and what
     each completion decoded to."""
-    import os
+    from nemo_rl.algorithms.grpo import (
+        _clip_grpo_advantages,
+        _create_advantage_estimator,
+        extract_initial_prompt_messages,
+    )
+    from nemo_rl.algorithms.utils import get_tokenizer
+    from nemo_rl.data.collate_fn import rl_collate_fn
+    from nemo_rl.data.llm_message_utils import batched_message_log_to_flat_message
+    from nemo_rl.data.utils import setup_response_data
+    from nemo_rl.experience.rollouts import run_multi_turn_rollout
 
-    import ray
-
-    os.environ.pop("RAY_ADDRESS", None)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        from nemo_rl.algorithms.grpo import (
-            _clip_grpo_advantages,
-            _create_advantage_estimator,
-            extract_initial_prompt_messages,
-        )
-        from nemo_rl.algorithms.utils import get_tokenizer
-        from nemo_rl.data.collate_fn import rl_collate_fn
-        from nemo_rl.data.llm_message_utils import batched_message_log_to_flat_message
-        from nemo_rl.data.utils import setup_response_data
-        from nemo_rl.experience.rollouts import run_multi_turn_rollout
-
-        from alignpipe.engines.nemo_rl.environment import register
-
-        register()
-        cfg = payload["config"]
-        tokenizer = get_tokenizer(cfg["policy"]["tokenizer"])
-        train, _, task_to_env, _ = setup_response_data(tokenizer, cfg["data"], cfg["env"])
-        batch = rl_collate_fn([train[i] for i in range(len(train))])
-        repeated = batch.repeat_interleave(cfg["grpo"]["num_generations_per_prompt"])
-        final, _ = run_multi_turn_rollout(
-            policy_generation=ScriptedGeneration(tokenizer, payload["completions"]),
-            input_batch=repeated,
-            tokenizer=tokenizer,
-            task_to_env=task_to_env,
-            max_seq_len=cfg["policy"]["max_total_sequence_length"],
-            max_rollout_turns=cfg["grpo"].get("max_rollout_turns", 1),
-            greedy=False,
-        )
-        prompts = extract_initial_prompt_messages(final["message_log"], final["length"])
-        flat, _ = batched_message_log_to_flat_message(
-            prompts, pad_value_dict={"token_ids": tokenizer.pad_token_id}
-        )
-        rewards = final["total_reward"]
-        estimator = _create_advantage_estimator(
-            types.SimpleNamespace(grpo=cfg["grpo"], loss_fn=cfg["loss_fn"])
-        )
-        mask = torch.ones(rewards.shape[0], 2)
-        adv = estimator.compute_advantage(
-            prompt_ids=flat["token_ids"], rewards=rewards.clone(), mask=mask, repeated_batch=final
-        )
-        return {
-            "rewards": rewards.tolist(),
-            "advantages": _clip_grpo_advantages(adv, cfg["grpo"])[:, 0].tolist(),
-            "completions": [
-                next(m["content"] for m in reversed(log) if m["role"] == "assistant")
-                for log in final["message_log"]
-            ],
-        }
-    finally:
-        ray.shutdown()
+    register_once()
+    cfg = payload["config"]
+    tokenizer = get_tokenizer(cfg["policy"]["tokenizer"])
+    train, _, task_to_env, _ = setup_response_data(tokenizer, cfg["data"], cfg["env"])
+    batch = rl_collate_fn([train[i] for i in range(len(train))])
+    repeated = batch.repeat_interleave(cfg["grpo"]["num_generations_per_prompt"])
+    final, _ = run_multi_turn_rollout(
+        policy_generation=ScriptedGeneration(tokenizer, payload["completions"]),
+        input_batch=repeated,
+        tokenizer=tokenizer,
+        task_to_env=task_to_env,
+        max_seq_len=cfg["policy"]["max_total_sequence_length"],
+        max_rollout_turns=cfg["grpo"].get("max_rollout_turns", 1),
+        greedy=False,
+    )
+    prompts = extract_initial_prompt_messages(final["message_log"], final["length"])
+    flat, _ = batched_message_log_to_flat_message(
+        prompts, pad_value_dict={"token_ids": tokenizer.pad_token_id}
+    )
+    rewards = final["total_reward"]
+    estimator = _create_advantage_estimator(types.SimpleNamespace(grpo=cfg["grpo"], loss_fn=cfg["loss_fn"]))
+    mask = torch.ones(rewards.shape[0], 2)
+    adv = estimator.compute_advantage(
+        prompt_ids=flat["token_ids"], rewards=rewards.clone(), mask=mask, repeated_batch=final
+    )
+    return {
+        "rewards": rewards.tolist(),
+        "advantages": _clip_grpo_advantages(adv, cfg["grpo"])[:, 0].tolist(),
+        "completions": [
+            next(m["content"] for m in reversed(log) if m["role"] == "assistant")
+            for log in final["message_log"]
+        ],
+    }
 
 
 def sft_loss(payload: dict) -> dict:
@@ -383,9 +371,7 @@ def rm_env_tokens(payload: dict) -> list[list[int]]:
     from nemo_rl.data.utils import setup_response_data
     from nemo_rl.environments.reward_model_environment import RewardModelEnvironment
 
-    from alignpipe.engines.nemo_rl.environment import register
-
-    register()
+    register_once()
     cfg = payload["config"]
     train, _ = setup_response_data(get_tokenizer(cfg["policy"]["tokenizer"]), cfg["data"], None)
     logs = [
@@ -416,9 +402,29 @@ PROBES = {
 }
 
 
+# Probes whose environments are Ray actors: one local CPU Ray for the whole call.
+NEEDS_RAY = {"rlvr_rewards", "grpo_rollout"}
+
+
 def main() -> None:
+    """``payload`` is one probe input, or ``{"batch": [input, ...]}`` for one result per input
+    from one process (NeMo-RL's imports and Ray start once)."""
+    import contextlib
+    import os
+
     probe, src, dst = sys.argv[1:4]
-    result = PROBES[probe](torch.load(src, weights_only=False))
+    payload = torch.load(src, weights_only=False)
+    with contextlib.ExitStack() as stack:
+        if probe in NEEDS_RAY:
+            import ray
+
+            os.environ.pop("RAY_ADDRESS", None)
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+            stack.callback(ray.shutdown)
+        if isinstance(payload, dict) and "batch" in payload:
+            result = [PROBES[probe](item) for item in payload["batch"]]
+        else:
+            result = PROBES[probe](payload)
     torch.save(result, dst)
 
 

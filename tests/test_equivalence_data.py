@@ -57,19 +57,61 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-@pytest.mark.parametrize("profile", ["tiny", "small"])
-def test_sft_tokens_and_masks_equal_nemo_rls(profile, tokenizers, nemo_rl_runtime, tmp_path: Path) -> None:
-    cfg = rendered("sft", profile, tmp_path)
-    limit = int(cfg["data"]["max_input_seq_length"])
-    rows = [*SFT_ROWS, [{"role": "user", "content": too_long(limit)}, {"role": "assistant", "content": "1"}]]
-    data = write_jsonl(tmp_path / "train.jsonl", [{"messages": m} for m in rows])
-    cfg["data"]["train"]["data_path"] = str(data)
+def prepared(stage: str, profile: str, rows: list[dict], tmp: Path, tokenizer: Path) -> dict:
+    """The rendered config reading ``rows`` as its training data, with ``tokenizer``."""
+    where = tmp / f"{stage}-{profile}"
+    where.mkdir(parents=True, exist_ok=True)
+    cfg = rendered(stage, profile, where)
+    cfg["data"]["train"]["data_path"] = str(write_jsonl(where / "train.jsonl", rows))
     cfg["data"].pop("validation", None)
-    cfg["policy"]["tokenizer"]["name"] = str(tokenizers[profile])
-    theirs = nemo_rl_runtime("sft_data", {"config": cfg})
+    cfg["policy"]["tokenizer"]["name"] = str(tokenizer)
+    return cfg
 
+
+def sft_rows(cfg: dict) -> list[list[dict]]:
+    limit = int(cfg["data"]["max_input_seq_length"])
+    return [*SFT_ROWS, [{"role": "user", "content": too_long(limit)}, {"role": "assistant", "content": "1"}]]
+
+
+def preference_rows(cfg: dict) -> list[dict]:
+    limit = int(cfg["data"]["max_input_seq_length"])
+    return [*PREFERENCE_ROWS, {"prompt": "sort 1", "chosen": "1", "rejected": too_long(limit)}]
+
+
+CASES = [
+    ("sft", "tiny"),
+    ("sft", "small"),
+    ("dpo", "tiny"),
+    ("dpo", "small"),
+    ("rm", "tiny"),
+    ("rm", "small"),
+]
+
+
+@pytest.fixture(scope="module")
+def upstream(tokenizers, nemo_rl_runtime, tmp_path_factory) -> dict[tuple[str, str], dict]:
+    """NeMo-RL's view of every case, from one process per data path (sft, preference)."""
+    tmp = tmp_path_factory.mktemp("data")
+    cases = {}
+    for stage, profile in CASES:
+        (tmp / f"r-{stage}-{profile}").mkdir()
+        cfg = rendered(stage, profile, tmp / f"r-{stage}-{profile}")
+        rows = [{"messages": m} for m in sft_rows(cfg)] if stage == "sft" else preference_rows(cfg)
+        cases[(stage, profile)] = prepared(stage, profile, rows, tmp, tokenizers[profile])
+    out = {}
+    for probe, stages in (("sft_data", ("sft",)), ("preference_data", ("dpo", "rm"))):
+        keys = [k for k in CASES if k[0] in stages]
+        results = nemo_rl_runtime(probe, {"batch": [{"config": cases[k]} for k in keys]})
+        out.update({k: {"config": cases[k], "rows": r} for k, r in zip(keys, results, strict=True)})
+    return out
+
+
+@pytest.mark.parametrize("profile", ["tiny", "small"])
+def test_sft_tokens_and_masks_equal_nemo_rls(profile, tokenizers, upstream) -> None:
     from alignpipe.engines.local.sft import sft_examples
 
+    cfg, theirs = upstream[("sft", profile)]["config"], upstream[("sft", profile)]["rows"]
+    rows = sft_rows(cfg)
     ours = sft_examples(load_tokenizer(tokenizers[profile]), rows, cfg)
     assert len(ours) == len(theirs) == len(rows)
     for i, (mine, up) in enumerate(zip(ours, theirs, strict=True)):
@@ -82,19 +124,11 @@ def test_sft_tokens_and_masks_equal_nemo_rls(profile, tokenizers, nemo_rl_runtim
 
 @pytest.mark.parametrize("stage", ["dpo", "rm"])
 @pytest.mark.parametrize("profile", ["tiny", "small"])
-def test_preference_tokens_and_masks_equal_nemo_rls(
-    stage, profile, tokenizers, nemo_rl_runtime, tmp_path: Path
-) -> None:
-    cfg = rendered(stage, profile, tmp_path)
-    limit = int(cfg["data"]["max_input_seq_length"])
-    rows = [*PREFERENCE_ROWS, {"prompt": "sort 1", "chosen": "1", "rejected": too_long(limit)}]
-    cfg["data"]["train"]["data_path"] = str(write_jsonl(tmp_path / "train.jsonl", rows))
-    cfg["data"].pop("validation", None)
-    cfg["policy"]["tokenizer"]["name"] = str(tokenizers[profile])
-    theirs = nemo_rl_runtime("preference_data", {"config": cfg})
-
+def test_preference_tokens_and_masks_equal_nemo_rls(stage, profile, tokenizers, upstream) -> None:
     from alignpipe.engines.local.training import preference_examples
 
+    cfg, theirs = upstream[(stage, profile)]["config"], upstream[(stage, profile)]["rows"]
+    rows = preference_rows(cfg)
     ours = preference_examples(load_tokenizer(tokenizers[profile]), rows, cfg)
     assert len(ours) == len(theirs) == len(rows)
     for i, (mine, up) in enumerate(zip(ours, theirs, strict=True)):

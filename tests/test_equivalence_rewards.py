@@ -39,13 +39,34 @@ ROWS = [  # (row, completion): the local engine's reward is computed, not writte
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    from alignpipe.tiny import train_char_tokenizer
+PROFILES = ("tiny", "small", "default")
 
-    where = tmp_path_factory.mktemp("tokenizer")
-    train_char_tokenizer(["".join(chr(c) for c in range(32, 127))]).save_pretrained(where)
-    return where
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory) -> dict[str, Path]:
+    """The tiny profile's kind of tokenizer (char-level) and the small profile's (SmolLM2's);
+    the default profile's 1B model is not here, so it is checked with SmolLM2's."""
+    from alignpipe.tiny import train_char_tokenizer
+    from tests.smollm2 import build
+
+    tiny = tmp_path_factory.mktemp("tokenizer")
+    train_char_tokenizer(["".join(chr(c) for c in range(32, 127))]).save_pretrained(tiny)
+    return {"tiny": tiny, "small": build(), "default": build()}
+
+
+def config_with_data(stage: str, profile: str, rows: list[dict], tmp: Path, tokenizer: Path) -> dict:
+    """The rendered config reading ``rows`` as its training data, in order, with ``tokenizer``."""
+    where = tmp / f"{stage}-{profile}"
+    where.mkdir(parents=True, exist_ok=True)
+    cfg = rendered(stage, profile, where)
+    (where / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg["data"]["train"]["data_path"] = str(where / "train.jsonl")
+    cfg["data"].pop("validation", None)
+    cfg["data"]["shuffle"] = False
+    cfg["policy"]["tokenizer"]["name"] = str(tokenizer)
+    if "reward_model" in cfg.get("env", {}):
+        cfg["env"]["reward_model"]["tokenizer"]["name"] = str(tokenizer)
+    return cfg
 
 
 def local_rewards(profile: str, rows: list[dict], completions: list[str], tmp: Path) -> list[float]:
@@ -64,20 +85,24 @@ def local_rewards(profile: str, rows: list[dict], completions: list[str], tmp: P
     )
 
 
-@pytest.mark.parametrize("profile", ["tiny", "small", "default"])
+@pytest.fixture(scope="module")
+def rlvr_upstream(nemo_rl_runtime, tokenizers, tmp_path_factory) -> dict[str, dict]:
+    """Every profile's rewards from one NeMo-RL process (one Ray)."""
+    tmp = tmp_path_factory.mktemp("rlvr")
+    rows, completions = [row for row, _ in ROWS], [c for _, c in ROWS]
+    batch = [
+        {"config": config_with_data("rlvr", p, rows, tmp, tokenizers[p]), "completions": completions}
+        for p in PROFILES
+    ]
+    return dict(zip(PROFILES, nemo_rl_runtime("rlvr_rewards", {"batch": batch}), strict=True))
+
+
+@pytest.mark.parametrize("profile", PROFILES)
 def test_rlvr_rewards_equal_through_nemo_rls_data_and_environment(
-    profile, nemo_rl_runtime, tokenizer_dir: Path, tmp_path: Path
+    profile, rlvr_upstream, tmp_path: Path
 ) -> None:
-    rows = [row for row, _ in ROWS]
-    completions = [c for _, c in ROWS]
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = rendered("rlvr", profile, tmp_path)
-    cfg["data"]["train"]["data_path"] = str(data)
-    cfg["data"].pop("validation", None)
-    cfg["data"]["shuffle"] = False
-    cfg["policy"]["tokenizer"]["name"] = str(tokenizer_dir)
-    theirs = nemo_rl_runtime("rlvr_rewards", {"config": cfg, "completions": completions})
+    rows, completions = [row for row, _ in ROWS], [c for _, c in ROWS]
+    theirs = rlvr_upstream[profile]
     ours = local_rewards(profile, rows, completions, tmp_path)
     assert theirs["rewards"] == pytest.approx(ours, abs=1e-6), list(
         zip(completions, theirs["rewards"], ours, strict=True)
@@ -108,38 +133,38 @@ def test_local_only_reward_shaping_is_refused_on_the_nemo_rl_engine() -> None:
     assert local_rewards("tiny", [ROWS[0][0]], ["123"], REPO) == [1.0]
 
 
-@pytest.mark.parametrize("profile", ["tiny", "small", "default"])
-def test_rlhf_reward_model_scores_what_rm_trained_on(profile, nemo_rl_runtime, tmp_path: Path) -> None:
+RM_ROWS = [{"prompt": "sort 312", "answer": "123"}, {"prompt": "add 2 3", "answer": "5"}]
+RM_COMPLETIONS = ["The answer is \\boxed{123}.", "5"]
+
+
+@pytest.fixture(scope="module")
+def rm_upstream(nemo_rl_runtime, tokenizers, tmp_path_factory) -> dict[str, list]:
+    tmp = tmp_path_factory.mktemp("rlhf")
+    batch = [
+        {"config": config_with_data("rlhf", p, RM_ROWS, tmp, tokenizers[p]), "completions": RM_COMPLETIONS}
+        for p in PROFILES
+    ]
+    return dict(zip(PROFILES, nemo_rl_runtime("rm_env_tokens", {"batch": batch}), strict=True))
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_rlhf_reward_model_scores_what_rm_trained_on(profile, rm_upstream, tokenizers) -> None:
     """NeMo-RL's reward-model environment, fed by the rendered rlhf config's data path, tokenises
     each (prompt, completion) exactly as the local scorer does and as the rm stage trained on it
     (chosen side of a pair): one chat template, BOS and EOS, the same ids. Same ids into the same
     reward model give the same score."""
-    from alignpipe.engines.local.training import preference_examples
-    from alignpipe.measure.reward_model import conversation_token_ids
-    from tests.smollm2 import build
-
-    tokenizer_dir = build() if profile != "tiny" else None
-    if tokenizer_dir is None:
-        from alignpipe.tiny import train_char_tokenizer
-
-        tokenizer_dir = tmp_path / "tokenizer"
-        train_char_tokenizer(["".join(chr(c) for c in range(32, 127))]).save_pretrained(tokenizer_dir)
-    rows = [{"prompt": "sort 312", "answer": "123"}, {"prompt": "add 2 3", "answer": "5"}]
-    completions = ["The answer is \\boxed{123}.", "5"]
-    cfg = rendered("rlhf", profile, tmp_path)
-    cfg["data"]["train"]["data_path"] = str(tmp_path / "train.jsonl")
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg["data"].pop("validation", None)
-    cfg["data"]["shuffle"] = False
-    cfg["policy"]["tokenizer"]["name"] = cfg["env"]["reward_model"]["tokenizer"]["name"] = str(tokenizer_dir)
-    theirs = nemo_rl_runtime("rm_env_tokens", {"config": cfg, "completions": completions})
-
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    prompts = [r["prompt"] for r in rows]
-    assert conversation_token_ids(tokenizer, prompts, completions) == theirs
-    pairs = [{"prompt": p, "chosen": c, "rejected": "x"} for p, c in zip(prompts, completions, strict=True)]
+    from alignpipe.engines.local.training import preference_examples
+    from alignpipe.measure.reward_model import conversation_token_ids
+
+    theirs = rm_upstream[profile]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizers[profile], local_files_only=True)
+    prompts = [r["prompt"] for r in RM_ROWS]
+    assert conversation_token_ids(tokenizer, prompts, RM_COMPLETIONS) == theirs
+    pairs = [
+        {"prompt": p, "chosen": c, "rejected": "x"} for p, c in zip(prompts, RM_COMPLETIONS, strict=True)
+    ]
     trained = preference_examples(tokenizer, pairs, {"data": {"max_input_seq_length": 4096}})
     assert [p["chosen_input_ids"] for p in trained] == theirs
     text = tokenizer.decode(theirs[0])
@@ -158,53 +183,59 @@ ANSWERS = {  # completions the scripted policy cycles through, right and wrong
 }
 
 
-@pytest.mark.parametrize("profile", ["tiny", "small"])
+ROLLOUT_PROFILES = ("tiny", "small")
+
+
+def scripted_completions(group: int) -> list[str]:
+    return [ANSWERS[r["prompt"]][(i + k) % 4] for k, r in enumerate(ROLLOUT_ROWS) for i in range(group)]
+
+
+@pytest.fixture(scope="module")
+def rollout_upstream(nemo_rl_runtime, tokenizers, tmp_path_factory) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("rollout")
+    batch = []
+    for p in ROLLOUT_PROFILES:
+        cfg = config_with_data("rlvr", p, ROLLOUT_ROWS, tmp, tokenizers[p])
+        batch.append(
+            {
+                "config": cfg,
+                "completions": scripted_completions(int(cfg["grpo"]["num_generations_per_prompt"])),
+            }
+        )
+    results = nemo_rl_runtime("grpo_rollout", {"batch": batch})
+    return {p: {**r, "config": b["config"]} for p, r, b in zip(ROLLOUT_PROFILES, results, batch, strict=True)}
+
+
+@pytest.mark.parametrize("profile", ROLLOUT_PROFILES)
 def test_one_grpo_rollout_through_nemo_rls_loop_gives_the_local_rewards_and_advantages(
-    profile, nemo_rl_runtime, tmp_path: Path
+    profile, rollout_upstream, tokenizers, tmp_path: Path
 ) -> None:
     """run_multi_turn_rollout (nemo_rl/experience/rollouts.py) with a scripted generation (no GPU
     for vLLM) and alignpipe's environment as a Ray actor: per completion the reward the local
     engine's reward function gives, and per sample the advantage its trainer computes."""
+    import torch
     from transformers import AutoTokenizer
 
     from alignpipe.engines.local.grpo import advantage_settings
     from alignpipe.rewards.advantages import step_advantages
 
-    if profile == "small":
-        from tests.smollm2 import build
-
-        tokenizer_dir = build()
-    else:
-        from alignpipe.tiny import train_char_tokenizer
-
-        tokenizer_dir = tmp_path / "tokenizer"
-        train_char_tokenizer(["".join(chr(c) for c in range(32, 127))]).save_pretrained(tokenizer_dir)
-    cfg = rendered("rlvr", profile, tmp_path)
+    theirs = rollout_upstream[profile]
+    cfg = theirs["config"]
     group = int(cfg["grpo"]["num_generations_per_prompt"])
-    cfg["data"]["train"]["data_path"] = str(tmp_path / "train.jsonl")
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROLLOUT_ROWS))
-    cfg["data"].pop("validation", None)
-    cfg["data"]["shuffle"] = False
-    cfg["policy"]["tokenizer"]["name"] = str(tokenizer_dir)
     rows = [r for r in ROLLOUT_ROWS for _ in range(group)]
-    completions = [
-        ANSWERS[r["prompt"]][(i + k) % 4] for k, r in enumerate(ROLLOUT_ROWS) for i in range(group)
-    ]
-    theirs = nemo_rl_runtime("grpo_rollout", {"config": cfg, "completions": completions})
+    completions = scripted_completions(group)
     assert theirs["completions"] == completions  # what the environment read is what was generated
 
     ours = local_rewards(profile, rows, completions, tmp_path)
     assert theirs["rewards"] == pytest.approx(ours, abs=1e-6)
     assert 0.0 < sum(ours) < len(ours)  # right and wrong answers in the step
 
-    import torch
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizers[profile], local_files_only=True)
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True)
         for r in rows
     ]
-    prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
+    prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]
     width = max(len(p) for p in prompts)
     left = torch.tensor([[-1] * (width - len(p)) + list(p) for p in prompts])  # TRL's left padding, masked
     local = step_advantages(torch.tensor(ours), left, **advantage_settings({"grpo": cfg["grpo"]}))
