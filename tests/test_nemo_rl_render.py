@@ -123,30 +123,23 @@ def test_data_sections_point_at_prepared_families(stage: str, tmp_path: Path) ->
 
 def test_entry_scripts(tmp_path: Path) -> None:
     cfg_path = Path("/scratch/run/nemo_rl_config.yaml")
+    driver = [
+        "python",
+        "-m",
+        "alignpipe.engines.nemo_rl.grpo_driver",
+        "--entry",
+        RUN_GRPO,
+        "--config",
+        str(cfg_path),
+    ]
     expect = {
         ("sft", "default"): ["python", "examples/run_sft.py", "--config", str(cfg_path)],
         ("rm", "default"): ["python", "examples/run_rm.py", "--config", str(cfg_path)],
         ("dpo", "default"): ["python", "examples/run_dpo.py", "--config", str(cfg_path)],
-        # alignpipe's verifier env must be registered in the driver, then run_grpo.py runs unchanged.
-        ("rlvr", "default"): [
-            "python",
-            "-m",
-            "alignpipe.engines.nemo_rl.grpo_driver",
-            "--entry",
-            RUN_GRPO,
-            "--config",
-            str(cfg_path),
-        ],
-        # ...and so must its processor for the RM environment (raw prompt turns).
-        ("rlhf", "default"): [
-            "python",
-            "-m",
-            "alignpipe.engines.nemo_rl.grpo_driver",
-            "--entry",
-            RUN_GRPO,
-            "--config",
-            str(cfg_path),
-        ],
+        # alignpipe's verifier env (rlvr) and its RM processor (rlhf: raw prompt turns) must be
+        # registered in the driver, which then runs run_grpo.py unchanged.
+        ("rlvr", "default"): driver,
+        ("rlhf", "default"): driver,
         ("rlvr", "nemo_gym"): ["python", RUN_GRPO_NEMO_GYM, "--config", str(cfg_path)],
         ("rlhf", "nemo_gym"): ["python", RUN_GRPO_NEMO_GYM, "--config", str(cfg_path)],
     }
