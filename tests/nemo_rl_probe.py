@@ -140,6 +140,7 @@ def rlvr_rewards(payload: dict) -> dict:
     return {
         "rewards": returned.rewards.tolist(),
         "prompts": [d["message_log"][-1]["content"] for d in data],
+        "prompt_ids": [torch.cat([m["token_ids"] for m in d["message_log"]]).tolist() for d in data],
         "extra_env_info": [d["extra_env_info"] for d in data],
     }
 
@@ -358,7 +359,7 @@ def preference_data(payload: dict) -> list[dict]:
     return out
 
 
-def rm_env_tokens(payload: dict) -> list[list[int]]:
+def rm_env_tokens(payload: dict) -> dict:
     """What NeMo-RL's reward model scores for each (prompt, completion) of the rendered rlhf
     config: ``setup_response_data`` (dataset class and processor, after alignpipe's
     ``register()``), the completion appended as the rollout appends it, ``calculate_rewards``'
@@ -385,7 +386,12 @@ def rm_env_tokens(payload: dict) -> list[list[int]]:
         task_data_spec=TaskDataSpec(task_name="reward_model_env"),
     )
     batch = RewardModelEnvironment.__ray_metadata__.modified_class.preprocess_data(env, logs)
-    return [batch["input_ids"][i, : int(n)].tolist() for i, n in enumerate(batch["input_lengths"])]
+    return {
+        "env": [batch["input_ids"][i, : int(n)].tolist() for i, n in enumerate(batch["input_lengths"])],
+        "prompt_ids": [
+            torch.cat([m["token_ids"] for m in train[i]["message_log"]]).tolist() for i in range(len(logs))
+        ],
+    }
 
 
 PROBES = {

@@ -69,6 +69,21 @@ def config_with_data(stage: str, profile: str, rows: list[dict], tmp: Path, toke
     return cfg
 
 
+def trl_prompt_ids(tokenizer_dir: Path, prompts: list[str]) -> list[list[int]]:
+    """The prompt ids the local GRPO trainer generates from: TRL's ``_tokenize_prompts`` renders
+    the conversational prompt with the generation prompt and tokenises it in one call."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    out = tokenizer.apply_chat_template(
+        [[{"role": "user", "content": p}] for p in prompts],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )
+    return [list(ids) for ids in out["input_ids"]]
+
+
 def local_rewards(profile: str, rows: list[dict], completions: list[str], tmp: Path) -> list[float]:
     """The local rlvr stage's reward function (verifier, then the profile's shaping) on TRL's
     conversational rollouts, as GRPOTrainer calls it."""
@@ -109,6 +124,18 @@ def test_rlvr_rewards_equal_through_nemo_rls_data_and_environment(
     )
     assert sorted(set(theirs["rewards"])) == [0.0, 1.0]  # right and wrong completions both present
     assert [info["ground_truth"] for info in theirs["extra_env_info"]] == [r["answer"] for r in rows]
+
+
+@pytest.mark.parametrize("stage", ["rlvr", "rlhf"])
+@pytest.mark.parametrize("profile", PROFILES)
+def test_grpo_prompt_tokens_equal_nemo_rls(stage, profile, rlvr_upstream, rm_upstream, tokenizers) -> None:
+    """The prompt token ids generation starts from: NeMo-RL's processor (verifier for rlvr,
+    alignpipe_rm_processor for rlhf) against TRL's tokenisation in the local trainer."""
+    if stage == "rlvr":
+        rows, theirs = [r for r, _ in ROWS], rlvr_upstream[profile]
+    else:
+        rows, theirs = RM_ROWS, rm_upstream[profile]
+    assert theirs["prompt_ids"] == trl_prompt_ids(tokenizers[profile], [r["prompt"] for r in rows])
 
 
 def test_local_only_reward_shaping_is_refused_on_the_nemo_rl_engine() -> None:
@@ -158,7 +185,7 @@ def test_rlhf_reward_model_scores_what_rm_trained_on(profile, rm_upstream, token
     from alignpipe.engines.local.training import preference_examples
     from alignpipe.measure.reward_model import conversation_token_ids
 
-    theirs = rm_upstream[profile]
+    theirs = rm_upstream[profile]["env"]
     tokenizer = AutoTokenizer.from_pretrained(tokenizers[profile], local_files_only=True)
     prompts = [r["prompt"] for r in RM_ROWS]
     assert conversation_token_ids(tokenizer, prompts, RM_COMPLETIONS) == theirs
