@@ -138,6 +138,12 @@ LOSS_VARIANTS = {
     # compute e^25 - e^25 (catastrophic cancellation) on both engines, and the gradient is noise.
     "no_output_clamp": {"reference_policy_kl_penalty": 0.5, "kl_output_clamp_value": None},
     "asymmetric_clip": {"reference_policy_kl_penalty": 0.2, "ratio_clip_min": 0.1, "ratio_clip_max": 0.3},
+    # GSPO: one importance ratio per sequence (NeMo-RL requires the sequence-mean loss with it)
+    "sequence_ratios": {
+        "reference_policy_kl_penalty": 0.5,
+        "sequence_level_importance_ratios": True,
+        "token_level_loss": False,
+    },
 }
 
 
