@@ -425,6 +425,9 @@ def main() -> None:
             import ray
 
             os.environ.pop("RAY_ADDRESS", None)
+            # A throwaway loopback cluster: without this, Ray >= 2.60 turns token auth on and
+            # writes ~/.ray/auth_token, which every later `ray start --head` on the machine obeys.
+            os.environ["RAY_AUTH_MODE"] = "disabled"
             ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
             stack.callback(ray.shutdown)
         if isinstance(payload, dict) and "batch" in payload:
