@@ -21,6 +21,7 @@ from fractions import Fraction
 from typing import Any
 
 __all__ = [
+    "ROW_FIELDS",
     "VERIFIERS",
     "UnknownVerifierError",
     "Verifier",
@@ -32,6 +33,11 @@ __all__ = [
     "score_completion",
     "score_completions",
 ]
+
+# Every row field scoring reads besides the answer. Whatever carries rows to a verifier (the
+# local reward function's columns, the NeMo-RL environment's extra_env_info) carries these: a
+# field lost on the way scores the row differently (extract: boxed, a code row's sandbox limits).
+ROW_FIELDS = ("verifier", "extract", "tests", "sandbox", "abs_tol", "rel_tol", "task")
 
 DEFAULT_VERIFIER = "exact"
 NUMERIC_REL_TOL = 1e-6

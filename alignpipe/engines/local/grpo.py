@@ -38,6 +38,7 @@ from alignpipe.measure.heldout import (
 )
 from alignpipe.measure.logprobs import kl_to_reference, load_policy
 from alignpipe.measure.metrics import local_keys
+from alignpipe.rewards.verifiers import ROW_FIELDS
 from alignpipe.timing import record_timing
 
 # NeMo-RL GRPO settings whose effect this engine cannot reproduce: (key, allowed values, why).
@@ -133,18 +134,7 @@ class RewardFn:
     """
 
     __name__ = "reward"
-    # Every row field alignpipe.rewards reads (as the NeMo-RL environment's ROW_FIELDS), and the id.
-    columns: tuple[str, ...] = (
-        "answer",
-        "verifier",
-        "extract",
-        "tests",
-        "sandbox",
-        "abs_tol",
-        "rel_tol",
-        "task",
-        "id",
-    )
+    columns: tuple[str, ...] = ("answer", *ROW_FIELDS, "id")
 
     def __init__(
         self,

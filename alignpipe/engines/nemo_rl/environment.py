@@ -29,14 +29,13 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from alignpipe.rewards.verifiers import ROW_FIELDS
+
 ENV_NAME = "alignpipe_verifier"
 PROCESSOR_NAME = "alignpipe_verifier_processor"
 RM_PROCESSOR_NAME = "alignpipe_rm_processor"
 ACTOR_FQN = "alignpipe.engines.nemo_rl.environment.VerifierEnvironment"
 DATASET_FQN = "alignpipe.engines.nemo_rl.environment.VerifiedResponseDataset"
-# Every row field alignpipe.rewards reads besides the answer: a field lost here scores a row
-# differently on the two engines (extract: boxed, a code row's sandbox limits, tolerances).
-ROW_FIELDS = ("verifier", "extract", "tests", "sandbox", "abs_tol", "rel_tol", "task")
 # Fields whose shape or null-ness differs between rows travel as JSON text ("" = absent), so
 # the Arrow dataset NeMo-RL builds keeps one schema.
 JSON_FIELDS = ("tests", "sandbox", "abs_tol", "rel_tol")
