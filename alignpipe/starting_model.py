@@ -2,8 +2,9 @@
 
 * null: the tiny model built offline (``alignpipe.tiny``);
 * a local Hugging Face directory: copied as it is;
-* a Hub id: fetched with ``huggingface_hub`` at ``model.revision``, only when ``model.download``
-  allows it, and recorded with the commit it resolved to.
+* a Hub id: read offline from the Hugging Face cache (``HF_HOME`` / ``HF_HUB_CACHE``, where
+  ``hf download`` puts it) at ``model.revision``; fetched into that cache first only when
+  ``model.download`` allows it. Either way recorded with the commit the revision resolved to.
 
 Only the ``base`` stage materialises it, into ``models/base``, a DVC output that every later
 stage loads (on both engines): the starting model is content-hashed like any other artifact,
@@ -12,7 +13,10 @@ and no other stage touches the Hub.
 
 from __future__ import annotations
 
+import fnmatch
+import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,11 @@ from alignpipe.errors import ConfigError
 # What `base` copies from a model directory: the files `from_pretrained` reads. Training
 # state (optimizer.pt, trainer_state.json ...) and hidden entries (.git, .cache) stay behind.
 SKIP = {"optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json", "training_args.bin"}
+# What base never takes from a Hub snapshot: other weight formats (safetensors is what every
+# stage and both engines load) and hidden entries.
+HUB_SKIP = ["*.pt", "*.pth", "*.bin", "*.msgpack", "*.h5", "*.onnx*", "*.gguf", ".*"]
+# The variables that keep huggingface_hub offline (alignpipe.context.OFFLINE_ENV sets them).
+HUB_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,7 @@ def check_dep(name: str, dep: str | None) -> None:
     )
 
 
-def copy_local(src: Path, dst: Path) -> list[str]:
+def copy_local(src: Path, dst: Path, skip: list[str] = ()) -> list[str]:
     """Copy a local model directory's files into ``dst``; returns the names copied."""
     if not src.is_dir():
         raise ConfigError(
@@ -90,33 +99,72 @@ def copy_local(src: Path, dst: Path) -> list[str]:
     for item in sorted(src.iterdir()):
         if item.name.startswith(".") or item.name in SKIP or not item.is_file():
             continue
+        if any(fnmatch.fnmatch(item.name, pattern) for pattern in skip):
+            continue
         shutil.copyfile(item, dst / item.name)  # follows links: Hub snapshots are symlinks into blobs
         copied.append(item.name)
     return copied
 
 
-def download(source: ModelSource, dst: Path) -> str:
-    """Fetch a Hub model at its revision into ``dst``; returns the commit it resolved to."""
-    if not source.download:
-        raise ConfigError(
-            f"params.yaml: model.name {source.name} is a Hub id, and only the base stage may fetch it, "
-            f"when you allow it: set model.download=true (dvc exp run -S model.download=true), or "
-            f"download it yourself and set model.name to its directory"
-        )
-    from huggingface_hub import HfApi, snapshot_download
+def hub_cache() -> str:
+    """The Hugging Face cache huggingface_hub reads (``HF_HUB_CACHE``, else ``$HF_HOME/hub``)."""
+    from huggingface_hub import constants
 
+    return constants.HF_HUB_CACHE
+
+
+def lift_offline_env() -> None:
+    """Let huggingface_hub reach the Hub from this process (base with model.download=true only)."""
+    for name in HUB_OFFLINE_VARS:
+        os.environ.pop(name, None)
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None:  # it reads the variables once, at import
+        constants.HF_HUB_OFFLINE = False
+
+
+def snapshot(source: ModelSource) -> Path:
+    """The Hub model's snapshot directory in the Hugging Face cache, at ``model.revision``.
+
+    Offline, the cache must already hold it (``hf download``, or gpu.yml's runner cache); with
+    ``model.download`` huggingface_hub first fetches what the cache lacks. The directory's name
+    is the commit the revision resolved to.
+    """
+    from huggingface_hub import snapshot_download
+
+    revision = source.revision or "main"
+    if not source.download:
+        try:
+            return Path(snapshot_download(source.name, revision=source.revision, local_files_only=True))
+        except Exception as e:  # not cached (at that revision): say where we looked and both fixes
+            raise ConfigError(
+                f"params.yaml: model.name {source.name} is a Hub id and the Hugging Face cache "
+                f"{hub_cache()} holds no snapshot of it at revision {revision} ({type(e).__name__}). "
+                f"Download it there (`hf download {source.name} --revision {revision}`, with HF_HOME or "
+                f"HF_HUB_CACHE set as the stages will see it), or let base fetch it: set "
+                f"model.download=true (dvc exp run -S model.download=true), or set model.name to a "
+                f"local directory"
+            ) from e
     try:
-        commit = HfApi().model_info(source.name, revision=source.revision).sha
-        snapshot_download(source.name, revision=commit, local_dir=dst,
-                          ignore_patterns=["*.pt", "*.bin", "*.msgpack", "*.h5", "*.onnx*", "*.gguf", ".*"])  # fmt: skip
+        return Path(snapshot_download(source.name, revision=source.revision, ignore_patterns=HUB_SKIP))
     except Exception as e:  # offline, gated, unknown id or revision: say which and how to fix it
         raise ConfigError(
-            f"params.yaml: model.name {source.name} (revision {source.revision or 'main'}) could not be "
-            f"fetched from the Hugging Face Hub: {type(e).__name__}: {e}. Check the id and revision, "
+            f"params.yaml: model.name {source.name} (revision {revision}) could not be fetched from the "
+            f"Hugging Face Hub into {hub_cache()}: {type(e).__name__}: {e}. Check the id and revision, "
             f"HF_TOKEN for gated models, and network access; or set model.name to a local directory"
         ) from e
-    shutil.rmtree(dst / ".cache", ignore_errors=True)  # huggingface_hub's download bookkeeping
-    return str(commit)
+
+
+def copy_snapshot(source: ModelSource, dst: Path) -> str:
+    """Copy the Hub model's cached snapshot into ``dst``; returns its commit."""
+    src = snapshot(source)
+    if not any(src.glob("*.safetensors")):
+        raise ConfigError(
+            f"params.yaml: model.name {source.name}: the cached snapshot {src} holds no *.safetensors "
+            f"weights (every stage loads safetensors); download them: "
+            f"hf download {source.name} --revision {source.revision or 'main'} --include '*.safetensors'"
+        )
+    copy_local(src, dst, skip=HUB_SKIP)
+    return src.name
 
 
 def lineage(source: ModelSource, src_dir: Path, commit: str | None = None) -> dict[str, Any]:

@@ -3,6 +3,7 @@ exports carry its lineage, its generation config and its tokenizer (pad falling 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -74,9 +75,92 @@ def test_a_local_model_becomes_models_base_and_its_lineage_reaches_the_export(
     assert len(AutoTokenizer.from_pretrained(export)) == len(tokenizer)
 
 
-def test_a_hub_id_is_fetched_only_when_allowed(repo_copy: Path) -> None:
+HUB_ID = "acme/tiny-instruct"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_cache_with(model_dir: Path, cache: Path, repo_id: str, commit: str) -> None:
+    """Lay ``model_dir`` out in ``cache`` exactly as ``hf download`` does, with huggingface_hub's
+    own cache functions: content-addressed blobs, a snapshot of links and ``refs/main``."""
+    from huggingface_hub.file_download import (
+        _cache_commit_hash_for_specific_revision,
+        _create_symlink,
+        repo_folder_name,
+    )
+
+    storage = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
+    for item in sorted(model_dir.iterdir()):
+        blob = storage / "blobs" / hashlib.sha256(item.read_bytes()).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(item, blob)
+        (storage / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+        _create_symlink(str(blob), str(storage / "snapshots" / commit / item.name), new_blob=False)
+    _cache_commit_hash_for_specific_revision(str(storage), "main", commit)
+
+
+@pytest.fixture
+def tiny_instruct(tmp_path: Path) -> Path:
+    """A small instruct model as a Hub repository holds it: weights, tokenizer, chat template,
+    plus a .bin copy of the weights that base must not take."""
+    from alignpipe import tiny
+
+    tokenizer = tiny.train_char_tokenizer(["What is 2+2? 4. The answer is \\boxed{4}."])
+    cfg = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    model = tiny.build_causal_lm(tokenizer, cfg, seed=0)
+    out = tmp_path / "upstream"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "pytorch_model.bin").write_bytes(b"legacy weights")
+    return out
+
+
+def test_a_hub_id_resolves_offline_from_the_hugging_face_cache(
+    repo_copy: Path, tiny_instruct: Path, tmp_path: Path
+) -> None:
+    """What docs/GPU.md and gpu.yml do: weights in $HF_HOME, every stage offline."""
+    from huggingface_hub import scan_cache_dir
+
+    cache = tmp_path / "hf" / "hub"
+    hub_cache_with(tiny_instruct, cache, HUB_ID, COMMIT)
+    assert [r.repo_id for r in scan_cache_dir(cache).repos] == [HUB_ID]  # huggingface_hub reads it back
+
+    set_model(repo_copy, HUB_ID)
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"}  # no Hub to reach
+    run_cli(repo_copy, "run", "base", env=env)
+    base = repo_copy / "models" / "base"
+    assert md5_file(base / "model.safetensors") == md5_file(tiny_instruct / "model.safetensors")
+    assert not (base / "pytorch_model.bin").exists()
+    source = json.loads((base / "artifact.json").read_text())["source_model"]
+    assert source["kind"] == "hub" and source["commit"] == COMMIT and source["name"] == f"{HUB_ID}@{COMMIT}"
+
+    # A pinned revision the cache lacks is named with the cache and both fixes, and nothing is published.
+    shutil.rmtree(base)
+    set_model(repo_copy, HUB_ID, revision="v2")
+    result = run_cli(repo_copy, "run", "base", env=env, check=False)
+    assert result.returncode == 2 and not base.exists()
+    assert f"{cache} holds no snapshot of it at revision v2" in result.stderr
+    assert (
+        "hf download acme/tiny-instruct --revision v2" in result.stderr
+        and "model.download=true" in result.stderr
+    )
+
+
+def test_model_download_lifts_offline_mode_for_base_alone(repo_copy: Path, tmp_path: Path) -> None:
+    """With model.download=true base reaches for the Hub even though the caller (the Makefile,
+    gpu.yml) exported HF_HUB_OFFLINE=1: here a closed port, so the error is a connection error."""
+    set_model(repo_copy, HUB_ID, download=True)
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_ETAG_TIMEOUT": "2"}
+    result = run_cli(repo_copy, "run", "base", env=env, check=False)
+    assert result.returncode == 2 and not (repo_copy / "models" / "base").exists()
+    assert "offline mode lifted for this stage" in result.stdout
+    assert "could not be fetched from the Hugging Face Hub" in result.stderr
+    assert "offline" not in result.stderr.lower(), result.stderr
+    assert "connect" in result.stderr.lower(), result.stderr
+
+
+def test_a_hub_id_is_fetched_only_when_allowed(repo_copy: Path, tmp_path: Path) -> None:
     set_model(repo_copy, "HuggingFaceTB/SmolLM2-135M-Instruct")
-    result = run_cli(repo_copy, "run", "base", check=False)
+    result = run_cli(repo_copy, "run", "base", env={"HF_HOME": str(tmp_path / "empty")}, check=False)
     assert result.returncode == 2
     assert "model.download=true" in result.stderr and "HuggingFaceTB/SmolLM2-135M-Instruct" in result.stderr
     assert not (repo_copy / "models" / "base").exists()

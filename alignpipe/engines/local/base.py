@@ -1,7 +1,8 @@
 """Stage ``base``: the starting model, into models/base (``model.name``; alignpipe.starting_model).
 
 Null builds the tiny offline model (a tokenizer trained on the prepared text); a local
-Hugging Face directory is copied and a Hub id fetched. Either way the chat template and
+Hugging Face directory is copied, and a Hub id copied from the Hugging Face cache (fetched
+into it first when model.download allows). Either way the chat template and
 generation config are the model's own; a missing pad token falls back to EOS here, once.
 """
 
@@ -41,6 +42,12 @@ def corpus(prepared) -> list[str]:
 
 def run(ctx: StageContext) -> None:
     source = SM.model_source(ctx.params)
+    if source.kind == "hub" and source.download:
+        # Every stage runs offline (alignpipe.context.OFFLINE_ENV); this fetch is the one exception.
+        SM.lift_offline_env()
+        print(f"base: model.download=true: fetching {source.name} (revision {source.revision or 'main'}) "
+              f"from the Hugging Face Hub into {SM.hub_cache()}; offline mode lifted for this stage",
+              flush=True)  # fmt: skip
     if source.kind == "tiny":
         build_tiny(ctx)
     else:
@@ -58,7 +65,7 @@ def materialise(ctx: StageContext, source: SM.ModelSource) -> None:
             SM.copy_local(src, out)
             origin = SM.lineage(source, src)
         else:
-            commit = SM.download(source, out)
+            commit = SM.copy_snapshot(source, out)
             origin = SM.lineage(source, out, commit)
         try:
             config = AutoConfig.from_pretrained(out, local_files_only=True)
