@@ -23,7 +23,9 @@ FROM ${NEMO_RL_IMAGE}:${NEMO_RL_TAG}@${NEMO_RL_DIGEST}
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# Only what the package needs; the repository itself is bind-mounted at run time.
+# The package is installed for its dependencies and entry point. At run time the launcher
+# bind-mounts the repository and puts it first on PYTHONPATH, and every stage refuses to run
+# an alignpipe other than the repository's: code edits need no rebuild, dependency changes do.
 COPY pyproject.toml README.md /opt/alignpipe/
 COPY alignpipe /opt/alignpipe/alignpipe
 

@@ -49,6 +49,16 @@ def dvc_hash(path: Path) -> str:
     return hashlib.md5(text.encode()).hexdigest() + ".dir"
 
 
+def package_hash(package: Path) -> str:
+    """md5 over a Python package's sources (paths and bytes of its ``*.py`` files): equal
+    exactly when two copies would run the same code, whatever their bytecode caches hold."""
+    digest = hashlib.md5()
+    for path in sorted(Path(package).rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -147,6 +157,9 @@ def write_manifest(
         # No timestamp: artifact.json is part of a DVC output, and a changing byte would change
         # every output hash downstream, so dvc.lock could never be reproduced (CI checks it is).
         "alignpipe_version": _version(),
+        # The code that ran is the repository's (alignpipe.stage.check_running_code refuses any
+        # other), whose files dvc.lock hashes as this stage's deps.
+        "code": "repository",
     }
     # The slurm and ray launchers export the scheduler's job id ("slurm:123", "ray:<id>").
     if os.environ.get("ALIGNPIPE_JOB_ID"):

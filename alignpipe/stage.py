@@ -12,7 +12,9 @@ import os
 import sys
 from pathlib import Path
 
+import alignpipe
 from alignpipe import console
+from alignpipe.artifacts import package_hash
 from alignpipe.config import get_path
 from alignpipe.context import (
     OFFLINE_ENV,
@@ -37,6 +39,22 @@ def engine_module(ctx: StageContext):
         raise
 
 
+def check_running_code(root: Path) -> None:
+    """The ``alignpipe`` running a stage must be the repository's: dvc.yaml hashes the
+    repository's files as the stage's deps, so any other copy (an image's build-time install,
+    another checkout's editable install) would publish outputs of code DVC never saw."""
+    running = Path(alignpipe.__file__).resolve().parent
+    repo = (root / "alignpipe").resolve()
+    if running == repo or not repo.is_dir() or package_hash(running) == package_hash(repo):
+        return
+    raise ConfigError(
+        f"the alignpipe package running this stage ({running}) differs from the repository's ({repo}), "
+        f"so the stage would not run the code dvc.yaml tracks. In a container the launcher puts the "
+        f"repository first on PYTHONPATH: check runtime.container_args does not override it; on a host, "
+        f"install this checkout (`pip install -e {root}`) or run from the checkout your venv was built in"
+    )
+
+
 def run_stage(
     root: Path, stage: str, *, inner: bool = False, profile: str | None = None, source: str | None = None
 ) -> int:
@@ -46,6 +64,7 @@ def run_stage(
     if not inner:  # a launcher's inner run is the same stage: one header
         console.header(label, ctx.engine, ctx.profile, get_path(ctx.config, "policy.model_name", None))
     if inner or ctx.launcher == "process":
+        check_running_code(root)
         if ctx.engine == "local":
             set_cpu_env()
         console.quiet_libraries(console.raw_log_path(root, label))

@@ -13,13 +13,16 @@ not permit ``memlock=-1``; those go through ``runtime.container_args`` / ``conta
 from __future__ import annotations
 
 import hashlib
+import http.server
 import json
 import os
 import shutil
 import signal
+import socketserver
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -60,6 +63,7 @@ def test_docker_argv_is_complete_and_exact() -> None:
         "--user", f"{uid}:{gid}",
         "-v", "/work/repo:/work/repo", "-w", "/work/repo",
         "-v", "/scratch:/scratch", "-e", "ALIGNPIPE_SCRATCH=/scratch", "-e", "HOME=/scratch/.home",
+        "-e", "PYTHONPATH=/work/repo",
         "-e", "DVC_ROOT", "-e", "HF_TOKEN",
         "registry.example/alignpipe@sha256:" + "a" * 64,
         "alignpipe", "run", "sft", "--inner",
@@ -87,9 +91,82 @@ def test_gpu_flags_per_runtime() -> None:
         "nvidia.com/gpu=1",
     ]
     assert gpu_part(runtime="docker", gpus=4) == ["--gpus", "4"]
-    assert gpu_part(runtime="docker", gpus="1,2") == ["--gpus", "device=1,2"]
+    assert gpu_part(runtime="docker", gpus="1,2") == ["--gpus", '"device=1,2"']
     for off in (0, "0", "none", None, False):
         assert gpu_part(runtime="docker", gpus=off) == []
+
+
+class DockerAPIRecorder(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """Docker Engine API on a unix socket that records each request body and refuses to
+    create anything: what the real docker client sends for our argv, with no daemon here."""
+
+    daemon_threads = True
+
+    def __init__(self, path: Path) -> None:
+        self.bodies: list[dict] = []
+        recorder = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def address_string(self) -> str:
+                return "docker.sock"
+
+            def _reply(self, code: int, body: dict | None) -> None:
+                data = json.dumps(body).encode() if body is not None else b""
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Api-Version", "1.41")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_HEAD(self) -> None:
+                self._reply(200, None)
+
+            def do_GET(self) -> None:
+                self._reply(200, {"ApiVersion": "1.41", "MinAPIVersion": "1.24", "Os": "linux"})
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                recorder.bodies.append(json.loads(body or b"{}"))
+                self._reply(500, {"message": "recorded, not created"})
+
+            def log_message(self, *args) -> None:
+                pass
+
+        super().__init__(str(path), Handler)
+
+
+@pytest.mark.parametrize("gpus, devices", [("0,1,2,3", ["0", "1", "2", "3"]), ("2,5", ["2", "5"])])
+def test_docker_reads_the_device_list_as_one_gpu_request(
+    tmp_path: Path, gpus: str, devices: list[str]
+) -> None:
+    """docker parses --gpus as a CSV record (docs: `--gpus '"device=0,1"'`): the real docker
+    client, given our argv, must ask for exactly those devices, not device 0 plus a count."""
+    docker = shutil.which("docker")
+    if docker is None:
+        pytest.fail(
+            "the docker client is not installed (docs/MACHINE.md: this machine has it, with no daemon)"
+        )
+    server = DockerAPIRecorder(tmp_path / "docker.sock")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        argv = launcher(runtime="docker", gpus=gpus).argv(["true"], stage="s", workdir=tmp_path, env_names=[])
+        env = {
+            **os.environ,
+            "DOCKER_HOST": f"unix://{tmp_path / 'docker.sock'}",
+            "DOCKER_CONFIG": str(tmp_path),
+        }
+        proc = subprocess.run([docker, *argv[1:]], env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "recorded, not created" in proc.stderr, proc.stderr  # it reached the create call
+    (create,) = server.bodies
+    assert create["HostConfig"]["DeviceRequests"] == [
+        {"Driver": "", "Count": 0, "DeviceIDs": devices, "Capabilities": [["gpu"]], "Options": {}}
+    ]
 
 
 def test_secrets_travel_by_name_only(monkeypatch) -> None:
@@ -152,7 +229,7 @@ def test_plan_writes_config_and_launch_script(repo_copy: Path, tmp_path: Path) -
     # The script is runnable as is: the values `alignpipe run` would forward are exported.
     assert "export HF_HUB_OFFLINE=1\n" in script and f"export ALIGNPIPE_ROOT={repo_copy}\n" in script
     assert subprocess.run(["bash", "-n", str(out / "rlvr.launch.sh")]).returncode == 0
-    assert "localhost/alignpipe-nemo-rl:v0.7.0 alignpipe run rlvr --inner --profile default" in script
+    assert "alignpipe-nemo-rl:v0.7.0 alignpipe run rlvr --inner --profile default" in script
     assert "python -m alignpipe.engines.nemo_rl.grpo_driver --entry examples/run_grpo.py --config" in script
     # --profile default means the default profile's knobs (conf/profile/default.yaml), not tiny's.
     assert cfg["policy"]["optimizer"]["kwargs"]["lr"] == pytest.approx(1.0e-6)
@@ -264,6 +341,56 @@ def test_stage_runs_in_container_and_outputs_belong_to_the_user(test_image: str,
     owners = {(p.stat().st_uid, p.stat().st_gid) for p in files}
     assert owners == {(os.getuid(), os.getgid())}, f"outputs owned by {owners}"
     assert _names(container_name("base", ws)) == []  # --rm
+
+
+def edit_workspace_code(ws: Path) -> None:
+    """A change to the repository's package, as a user makes between two `dvc repro`s."""
+    base = ws / "alignpipe" / "engines" / "local" / "base.py"
+    text = base.read_text()
+    assert "def run(ctx: StageContext) -> None:\n" in text
+    base.write_text(text.replace("def run(ctx: StageContext) -> None:\n",
+                                 "def run(ctx: StageContext) -> None:\n    print('edited in the workspace')\n"))  # fmt: skip
+
+
+@pytest.mark.container
+def test_the_container_runs_the_repositorys_code(test_image: str, tmp_path: Path, capfd) -> None:
+    """The image's alignpipe (here: the host venv's, mounted read-only) is not what runs: the
+    workspace's edited package is, because the launcher puts it first on PYTHONPATH."""
+    ws = copy_repo(tmp_path / "ws")
+    write_tiny_prepared(ws)
+    edit_workspace_code(ws)
+    env = {**OFFLINE, "ALIGNPIPE_ROOT": str(ws), "DVC_STAGE": "base"}
+    code = podman_launcher(test_image, ws, tmp_path / "scratch").run(
+        ["alignpipe", "run", "base", "--inner"], stage="base", workdir=ws, env=env
+    )
+    out = capfd.readouterr().out
+    assert code == 0 and "edited in the workspace" in out
+    assert json.loads((ws / "models" / "base" / "artifact.json").read_text())["code"] == "repository"
+
+
+def test_other_code_than_the_repositorys_is_refused(tmp_path: Path) -> None:
+    """On the host the venv's alignpipe (an editable install of another checkout) is not the
+    workspace's: the stage refuses, naming both, and publishes nothing."""
+    from tests.conftest import run_cli
+
+    ws = copy_repo(tmp_path / "ws")
+    write_tiny_prepared(ws)
+    edit_workspace_code(ws)
+    result = run_cli(ws, "run", "base", env={"ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")}, check=False)
+    assert result.returncode == 2, result.stderr
+    assert f"differs from the repository's ({ws / 'alignpipe'})" in result.stderr
+    assert "edited in the workspace" not in result.stdout and not (ws / "models" / "base").exists()
+
+
+@pytest.mark.container
+def test_a_missing_local_image_is_named_with_its_build_command(tmp_path: Path) -> None:
+    ws = copy_repo(tmp_path / "ws")
+    launcher = ContainerLauncher(
+        image="localhost/alignpipe-nemo-rl:never-built", runtime="podman", gpus="none"
+    )
+    with pytest.raises(ConfigError, match=r"podman build -t alignpipe-nemo-rl:never-built \."):
+        launcher.run(["true"], stage="base", workdir=ws, env={})
+    assert _names(container_name("base", ws)) == []
 
 
 @pytest.mark.container

@@ -11,11 +11,14 @@ with:
 * ``--user $(id -u):$(id -g)`` so outputs are owned by the invoking user (DVC must hash,
   move and link them); rootless podman also gets ``--userns=keep-id`` so that uid is the
   same on both sides;
-* GPUs (``--gpus all`` on docker, CDI ``--device nvidia.com/gpu=all`` on podman; none when
-  ``runtime.gpus`` is 0/none), ``--ipc=host`` and the ulimits NeMo-RL needs
+* GPUs (``--gpus all`` on docker, a device list as ``--gpus '"device=0,1"'``; CDI
+  ``--device nvidia.com/gpu=all`` on podman; none when ``runtime.gpus`` is 0/none), ``--ipc=host`` and the ulimits NeMo-RL needs
   (``memlock=-1``, ``stack=67108864``);
 * ``DVC_*``, ``HF_*``, ``ALIGNPIPE_*`` ... forwarded **by name** (``-e NAME``; the value
   travels in the client's environment, never on its command line);
+* the mounted repository first on ``PYTHONPATH``, so the stage runs the repository's
+  ``alignpipe`` (what dvc.yaml hashes), not the copy installed in the image at build time
+  (that copy only brings the dependencies; ``alignpipe.stage`` refuses any other code);
 * ``--rm --init``, no ``-t``/``-i`` (Ctrl-C and ``dvc queue kill`` stay effective) and a
   deterministic ``--name`` so an interrupt can ``stop``/``kill`` exactly this container.
 """
@@ -51,7 +54,9 @@ def _gpu_args(runtime: str, gpus: Any) -> list[str]:
     if runtime == "docker":
         if value == "all" or value.isdigit():
             return ["--gpus", value]
-        return ["--gpus", f"device={value}"]
+        # docker reads --gpus as one CSV record: unquoted, "device=0,1" is the fields "device=0"
+        # and "1" (a count), so the list must be a quoted field, quotes inside the argument.
+        return ["--gpus", f'"device={value}"']
     # podman: NVIDIA Container Toolkit CDI devices (nvidia-ctk cdi generate).
     if value == "all":
         return ["--device", "nvidia.com/gpu=all"]
@@ -165,12 +170,13 @@ class ContainerLauncher(JobLauncher):
                 cmd += ["-v", f"{root}:{root}"]
             # Values, not names: both are plain paths, and the inner process must agree with us.
             cmd += ["-e", f"ALIGNPIPE_SCRATCH={root}", "-e", f"HOME={root / '.home'}"]
+        cmd += ["-e", f"PYTHONPATH={workdir}"]  # the repository's alignpipe, ahead of the image's
         mounted = [workdir, *([Path(self.scratch_root).resolve()] if self.scratch_root else [])]
         for directory in sorted({Path(d).resolve() for d in env_dirs}):
             if not any(directory == m or m in directory.parents for m in mounted):
                 cmd += ["-v", f"{directory}:{directory}"]
                 mounted.append(directory)
-        for name in sorted(set(env_names) - {"ALIGNPIPE_SCRATCH", "HOME"}):
+        for name in sorted(set(env_names) - {"ALIGNPIPE_SCRATCH", "HOME", "PYTHONPATH"}):
             cmd += ["-e", name]
         cmd += self.extra_args
         cmd.append(self.image)
@@ -199,7 +205,28 @@ class ContainerLauncher(JobLauncher):
             [self.runtime, "kill", name], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False
         )
 
+    def check_image(self) -> None:
+        """A locally built image that the runtime does not have is named with its build command
+        before anything starts; images in a registry are left for the runtime to pull."""
+        probe = subprocess.run([self.runtime, "image", "inspect", "--format", "{{.Id}}", self.image],
+                               capture_output=True, text=True, check=False)  # fmt: skip
+        if probe.returncode == 0 or not re.search(r"no such image|image not known", probe.stderr, re.I):
+            return
+        registry = self.image.split("/")[0] if "/" in self.image else ""
+        if registry and registry != "localhost" and ("." in registry or ":" in registry):
+            return
+        local = self.image.removeprefix("localhost/")
+        if local.startswith("sha256:") or "@" in local:  # pinned by ID or digest: build, then re-pin
+            local = "alignpipe-nemo-rl:v0.7.0"
+        hint = (f" docker names local builds without podman's localhost/ prefix: set runtime.image: {local}."
+                if self.runtime == "docker" and local != self.image else "")  # fmt: skip
+        raise ConfigError(
+            f"params.yaml: runtime.image {self.image} is not among {self.runtime}'s images.{hint} Build it "
+            f"from the repository (docs/GPU.md §2): {self.runtime} build -t {local} ."
+        )
+
     def submit(self, argv, *, stage, workdir, env, out):
+        self.check_image()
         env = dict(env)
         cmd = self.argv(argv, stage=stage, workdir=workdir, env_names=sorted(env), env_dirs=env_dirs(env))
         home = self.home_dir()
