@@ -121,6 +121,8 @@ class StageContract:
     consumes: tuple[Port, ...]
     produces: tuple[Port, ...]
     parameters: tuple[dict, ...] = field(default_factory=tuple)
+    # A foreach stage's items -> the directory each reads (``{source_dir}`` in port paths).
+    sources: dict[str, str] = field(default_factory=dict)
 
     def port(self, name: str) -> Port:
         for p in (*self.consumes, *self.produces):
@@ -167,6 +169,7 @@ def load_contract(root: Path, stage: str) -> StageContract:
         consumes=ports("consumes"),
         produces=ports("produces"),
         parameters=tuple(doc.get("parameters", [])),
+        sources={str(k): str(v) for k, v in (doc.get("sources") or {}).items()},
     )
 
 
@@ -176,7 +179,7 @@ def with_source(contract: StageContract, source: str | None) -> StageContract:
     import dataclasses
     import re
 
-    templated = any("{source}" in p.path for p in (*contract.consumes, *contract.produces))
+    templated = any("{source" in p.path for p in (*contract.consumes, *contract.produces))
     if not templated:
         if source:
             raise ConfigError(
@@ -190,9 +193,20 @@ def with_source(contract: StageContract, source: str | None) -> StageContract:
         )
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", source):
         raise ConfigError(f"--source '{source}': expected a stage name (letters, digits, '_' or '-')")
+    if contract.sources and source not in contract.sources:
+        raise ConfigError(
+            f"stage '{contract.name}' --source '{source}': not one of its sources "
+            f"{', '.join(contract.sources)} (stages/{contract.name}/stage.toml [sources])"
+        )
+    source_dir = contract.sources.get(source, "")
 
     def fill(ports: tuple[Port, ...]) -> tuple[Port, ...]:
-        return tuple(dataclasses.replace(p, path=p.path.replace("{source}", source)) for p in ports)
+        return tuple(
+            dataclasses.replace(
+                p, path=p.path.replace("{source_dir}", source_dir).replace("{source}", source)
+            )
+            for p in ports
+        )
 
     return dataclasses.replace(contract, consumes=fill(contract.consumes), produces=fill(contract.produces))
 

@@ -84,9 +84,10 @@ def _expanded_entries(stage: str) -> list[tuple[dict, dict]]:
     if "foreach" not in entry:
         return [(entry, {})]
     out = []
-    for item in entry["foreach"]:
-        text = yaml.safe_dump(entry["do"]).replace("${item}", str(item))
-        out.append((yaml.safe_load(text), {"source": item}))
+    items = entry["foreach"]
+    for key, item in items.items() if isinstance(items, dict) else [(i, i) for i in items]:
+        text = yaml.safe_dump(entry["do"]).replace("${item}", str(item)).replace("${key}", str(key))
+        out.append((yaml.safe_load(text), {"source": key, "source_dir": item}))
     return out
 
 
@@ -94,6 +95,11 @@ def _expanded_entries(stage: str) -> list[tuple[dict, dict]]:
 def test_dvc_yaml_matches_stage_contract(stage):
     """What stage.toml says a stage produces/consumes is what dvc.yaml tracks."""
     contract = C.load_contract(REPO, stage)
+    foreach = _dvc_stages()[stage].get("foreach")
+    if contract.sources or isinstance(foreach, dict):  # stage.toml [sources] and the foreach dict agree
+        assert contract.sources == foreach, (
+            f"stages/{stage}/stage.toml [sources] != dvc.yaml {stage}: foreach"
+        )
     for entry, subst in _expanded_entries(stage):
         outs = [o if isinstance(o, str) else next(iter(o)) for o in entry.get("outs", [])]
         deps = entry.get("deps", [])

@@ -172,10 +172,22 @@ def test_convert_is_one_stage_per_policy_reading_only_its_model(index):
     ]["deps"]
 
 
-def test_an_rlhf_knob_reruns_exactly_rlhf_its_export_and_evaluate(index):
+def test_an_rlhf_knob_reruns_exactly_rlhf_its_export_its_benchmark_and_evaluate(index):
     reading = {n for n, s in index.items() if any(p == "rlhf" or p.startswith("rlhf.") for p in s["params"])}
     assert reading == {"rlhf"}
-    assert downstream(index, reading) == {"rlhf", "convert@rlhf", "evaluate"}
+    assert downstream(index, reading) == {"rlhf", "convert@rlhf", "benchmark@rlhf", "evaluate"}
+
+
+def test_benchmark_is_one_stage_per_policy_reading_only_that_policy(index):
+    policies = {"base": "models/base", "sft": "models/sft", "dpo": "exports/dpo", "rlvr": "exports/rlvr",
+                "rlhf": "exports/rlhf"}  # fmt: skip
+    for name, path in policies.items():
+        stage = index[f"benchmark@{name}"]
+        assert stage["outs"] == {f"results/benchmark/{name}"}
+        assert path in stage["deps"] and "stages/benchmark" in stage["deps"]
+        assert not (set(policies.values()) - {path}) & stage["deps"]
+    # the task YAMLs, their data and the harness version (a config value) are what it hashes
+    assert downstream(index, {"prep"}) >= {f"benchmark@{n}" for n in policies}
 
 
 def test_top_level_metrics_plots_and_artifacts_point_at_stage_outputs():
@@ -184,10 +196,11 @@ def test_top_level_metrics_plots_and_artifacts_point_at_stage_outputs():
     for stage in doc["stages"].values():
         body = stage.get("do", stage)
         items = stage.get("foreach", [None])
-        for item in items:
+        pairs = items.items() if isinstance(items, dict) else [(item, item) for item in items]
+        for key, item in pairs:
             for out in body.get("outs", []):
                 out = next(iter(out)) if isinstance(out, dict) else out
-                stage_outs.add(out.replace("${item}", str(item)))
+                stage_outs.add(out.replace("${item}", str(item)).replace("${key}", str(key)))
 
     def produced(path: str) -> bool:
         return any(path == o or path.startswith(o + "/") for o in stage_outs)

@@ -1,0 +1,152 @@
+"""The benchmark stage: lm-evaluation-harness on each policy, for real on the tiny models.
+
+Bad input is refused before any model loads, naming the task and the fix (lm-eval itself
+skips a YAML it cannot parse and later says only "task not found"); a real run writes fixed-name
+scores DVC can show; and lm-eval's logged generations, scored by the project's own verifier,
+give lm-eval's own number.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from alignpipe.rewards.verifiers import score_completion
+from tests.conftest import run_cli, set_params, writable_copy
+
+TASKS = "stages/benchmark/tasks"
+
+
+@pytest.fixture(scope="module")
+def benchmarked(trained_sft: Path, tmp_path_factory) -> Path:
+    """The starting model and the SFT policy benchmarked with the tiny profile's tasks."""
+    root = writable_copy(trained_sft, tmp_path_factory.mktemp("bench") / "repo")
+    env = {"ALIGNPIPE_SCRATCH": str(root.parent / "scratch")}
+    for source in ("base", "sft"):
+        run_cli(root, "run", "benchmark", "--source", source, env=env)
+    return root
+
+
+def read(root: Path, policy: str) -> dict:
+    return json.loads((root / "results" / "benchmark" / policy / "metrics.json").read_text())
+
+
+def test_scores_are_published_per_policy_and_sft_learned(benchmarked: Path) -> None:
+    base, sft = read(benchmarked, "base"), read(benchmarked, "sft")
+    for metrics in (base, sft):
+        assert metrics["lm_eval"] == "0.4.13"
+        assert set(metrics["tasks"]) == {"heldout_exact", "preference_choice"}
+        assert metrics["tasks"]["heldout_exact"]["samples"] == 64
+        for score in (
+            *metrics["tasks"]["heldout_exact"].values(),
+            *metrics["tasks"]["preference_choice"].values(),
+        ):
+            assert score >= 0
+    # The random starting model answers nothing; the briefly trained SFT policy some.
+    assert base["tasks"]["heldout_exact"]["exact_match"] == 0.0
+    assert sft["tasks"]["heldout_exact"]["exact_match"] >= 0.1  # 40 steps of FAST_SFT
+    assert sft["tasks"]["preference_choice"]["acc"] > base["tasks"]["preference_choice"]["acc"]
+    manifest = json.loads((benchmarked / "results" / "benchmark" / "sft" / "artifact.json").read_text())
+    assert manifest["type"] == "report" and manifest["inputs"]["policy"]["path"].endswith("models/sft")
+
+
+def test_the_projects_verifier_agrees_with_lm_evals_metric_on_its_logged_generations(
+    benchmarked: Path,
+) -> None:
+    lines = (benchmarked / "results" / "benchmark" / "sft" / "samples" / "heldout_exact.jsonl").read_text()
+    records = [json.loads(line) for line in lines.splitlines()]
+    assert len(records) == 64
+    ours = [score_completion(r["doc"], r["resps"][0][0]) for r in records]
+    theirs = [r["scores"]["exact_match"] for r in records]
+    assert ours == theirs
+    assert sum(theirs) / len(theirs) == read(benchmarked, "sft")["tasks"]["heldout_exact"]["exact_match"]
+
+
+def test_a_rerun_writes_the_same_bytes(benchmarked: Path, tmp_path: Path) -> None:
+    before = {
+        p.relative_to(benchmarked): p.read_bytes()
+        for p in (benchmarked / "results/benchmark/sft").rglob("*")
+        if p.is_file()
+    }
+    shutil.rmtree(benchmarked / "results" / "benchmark" / "sft")
+    run_cli(benchmarked, "run", "benchmark", "--source", "sft", env={"ALIGNPIPE_SCRATCH": str(tmp_path)})
+    after = {
+        p.relative_to(benchmarked): p.read_bytes()
+        for p in (benchmarked / "results/benchmark/sft").rglob("*")
+        if p.is_file()
+    }
+    assert after == before
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def refused(root: Path, *needles: str, source: str = "sft") -> None:
+    result = run_cli(root, "run", "benchmark", "--source", source, check=False)
+    assert result.returncode == 2, result.stderr
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+    assert not (root / "results" / "benchmark" / source).exists()
+
+
+def tasks_param(*tasks: dict) -> dict:
+    return {"benchmark": {"alignpipe": {"benchmark": {"tasks": list(tasks)}}}}
+
+
+@pytest.fixture
+def bench_copy(trained_sft: Path, tmp_path: Path, monkeypatch) -> Path:
+    monkeypatch.setenv("ALIGNPIPE_SCRATCH", str(tmp_path / "scratch"))
+    return writable_copy(trained_sft, tmp_path / "repo")
+
+
+def test_an_unknown_task_is_named_with_close_names(bench_copy: Path) -> None:
+    set_params(bench_copy, tasks_param({"name": "heldout_exakt"}))
+    refused(bench_copy, "unknown task 'heldout_exakt'", "did you mean heldout_exact")
+
+
+def test_a_builtin_task_with_downloads_off_names_the_knob(bench_copy: Path) -> None:
+    set_params(bench_copy, tasks_param({"name": "gsm8k", "limit": 8}))
+    refused(bench_copy, "'gsm8k' is an lm-eval builtin task", "benchmark.alignpipe.benchmark.download=true")
+
+
+def test_a_task_file_that_does_not_exist_is_named(bench_copy: Path) -> None:
+    set_params(bench_copy, tasks_param({"name": "mine", "file": "tasks/mine.yaml"}))
+    refused(bench_copy, "tasks[0].file", "tasks/mine.yaml does not exist")
+
+
+def test_a_task_yaml_that_does_not_parse_names_its_line(bench_copy: Path) -> None:
+    (bench_copy / TASKS / "broken.yaml").write_text(
+        "task: broken\ndataset_path: json\n  output_type: [generate_until\n"
+    )
+    set_params(bench_copy, tasks_param({"name": "broken"}))
+    refused(bench_copy, f"{bench_copy / TASKS / 'broken.yaml'}: lm-eval cannot read this task YAML", "line 3")
+
+
+def test_missing_data_files_are_named(bench_copy: Path) -> None:
+    text = (
+        (bench_copy / TASKS / "heldout_exact.yaml").read_text().replace("rlvr/test.jsonl", "rlvr/nope.jsonl")
+    )
+    (bench_copy / TASKS / "heldout_exact.yaml").write_text(text)
+    set_params(bench_copy, tasks_param({"name": "heldout_exact"}))
+    refused(bench_copy, "dataset_kwargs.data_files names data/prepared/rlvr/nope.jsonl, which does not exist")
+
+
+def test_a_chat_task_on_a_model_without_a_chat_template_is_refused(bench_copy: Path) -> None:
+    config = bench_copy / "models" / "base" / "tokenizer_config.json"
+    doc = json.loads(config.read_text())
+    doc.pop("chat_template", None)
+    config.write_text(json.dumps(doc))
+    for extra in bench_copy.joinpath("models", "base").glob("chat_template.*"):
+        extra.unlink()
+    refused(bench_copy, "its tokenizer has no chat template", "apply_chat_template", source="base")
+
+
+def test_another_harness_version_is_refused(bench_copy: Path) -> None:
+    set_params(bench_copy, {"benchmark": {"alignpipe": {"benchmark": {"lm_eval_version": "0.4.9"}}}})
+    refused(
+        bench_copy,
+        "benchmark.lm_eval_version (stages/benchmark/config/<profile>.yaml) is 0.4.9, but lm-eval 0.4.13",
+    )
