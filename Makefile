@@ -3,8 +3,14 @@
 #   make test    -> virtual environment, install, run the test suite
 PYTHON ?= python3
 VENV   ?= .venv
-# CPU wheel first so the resolver never pulls a multi-GB CUDA build on CPU hosts.
+# torch goes in first, on its own, so the index it comes from can be chosen. From PyPI,
+# torch==2.13.0 on Linux x86_64 is the CUDA 13 build (it pulls triton and ~20 nvidia-* wheels,
+# GBs a CPU host never uses). On a CPU-only host take PyTorch's CPU index (torch 2.13.0+cpu):
+#   make venv TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# or name a wheel you have: make venv TORCH_SPEC=/path/to/torch-2.13.0+cpu-...whl.
+# TORCH_INDEX empty: pip's configured indexes (PyPI unless pip.conf says otherwise).
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 BIN    := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 export HF_HUB_OFFLINE := 1
@@ -19,7 +25,7 @@ PYTEST_ARGS ?=
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[local,dev]"
 	touch $@
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from alignpipe.config import compose_params_text
 from alignpipe.context import build_context
 from alignpipe.engines.nemo_rl import convert as CV
 from alignpipe.engines.nemo_rl import preflight
@@ -132,3 +133,30 @@ def test_plan_check_names_a_misspelled_optional_key_and_suggests_the_right_one(
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "grpo.overlong_filterng is not a key of" in proc.stderr
     assert "did you mean 'overlong_filtering'?" in proc.stderr
+
+
+def test_plan_check_refuses_a_slurm_allocation_that_disagrees_with_the_stages_cluster(
+    repo_copy: Path,
+) -> None:
+    """slurm.nodes is one sbatch request for every stage; NeMo-RL places workers by the stage's
+    cluster.num_nodes. A mismatch is named with both keys and the fix; a match passes."""
+    overrides = ["profile=default", "runtime.launcher=slurm", "slurm.nodes=2"]  # as `dvc exp run -S` composes
+    (repo_copy / "params.yaml").write_text(compose_params_text(repo_copy, overrides))
+    proc = run_cli(repo_copy, "plan", "rlvr", "--check", check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert (
+        "slurm.nodes is 2 but stage 'rlvr' needs 1 node(s) (cluster.num_nodes 1): set params.yaml "
+        "slurm.nodes to 1, or params.yaml rlvr.cluster.num_nodes to 2"
+    ) in proc.stderr
+    assert "slurm.gpus_per_node" not in proc.stderr  # 8 and 8 agree
+
+    overrides += ["rlvr.cluster.num_nodes=2", "slurm.gpus_per_node=4"]
+    (repo_copy / "params.yaml").write_text(compose_params_text(repo_copy, overrides))
+    proc = run_cli(repo_copy, "plan", "rlvr", "--check", check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "slurm.nodes" not in proc.stderr
+    assert "slurm.gpus_per_node is 4 but stage 'rlvr' has cluster.gpus_per_node 8" in proc.stderr
+
+    (repo_copy / "params.yaml").write_text(compose_params_text(repo_copy, overrides[:-1]))
+    proc = run_cli(repo_copy, "plan", "rlvr", "--check")
+    assert "rlvr: valid for nemo_rl.algorithms.grpo.MasterConfig" in proc.stdout

@@ -5,7 +5,8 @@ the config goes through the same ``load_config`` -> Hydra overrides -> ``MasterC
 validation as the entry script, and the launch command through the script's own
 ``parse_args()``. Beyond upstream, keys its schema does not define are named with a
 did-you-mean (NeMo-RL ignores them, so a typo silently keeps a default): an error in the
-algorithm's own sections, a warning elsewhere.
+algorithm's own sections, a warning elsewhere; and under the Slurm launcher, the nodes and
+GPUs sbatch requests must be what the stage's ``cluster`` section lays NeMo-RL out on.
 
 Which NeMo-RL: ``$NEMO_RL_SRC`` (a v0.7.0 checkout), else ``runtime.nemo_rl_dir`` when it holds
 one (inside the image). Which interpreter runs the check: ``$NEMO_RL_PYTHON``, else this one;
@@ -34,6 +35,7 @@ from alignpipe.engines.nemo_rl.render import (
     render,
 )
 from alignpipe.errors import ConfigError
+from alignpipe.launch.slurm import SlurmSettings
 
 # Run by path in NeMo-RL's interpreter (it imports nothing from alignpipe).
 CHECKER_MODULE = "alignpipe.engines.nemo_rl.schema_check"
@@ -132,7 +134,41 @@ def check(ctx, cfg: dict[str, Any] | None = None, *, python: str | None = None) 
         (report.errors if unknown["error"] else report.warnings).append(say)
     report.errors += [f"launch command: {err['message']}" for err in launch.get("errors", [])]
     report.errors += dropped_training_knobs(ctx.name, ctx.config)
+    report.errors += slurm_allocation_errors(ctx, cfg)
     return report
+
+
+def slurm_allocation_errors(ctx, cfg: dict[str, Any]) -> list[str]:
+    """Under the Slurm launcher, what sbatch requests against what NeMo-RL will place.
+
+    ``slurm.nodes`` is one allocation for every stage; NeMo-RL lays its workers out from the
+    stage's ``cluster.num_nodes`` (plus ``env.nemo_gym.num_gpu_nodes`` for NeMo-Gym's own GPU
+    servers, e.g. the GenRM judge). Too few nodes leave NeMo-RL waiting for a Ray cluster that
+    never fills; too many leave nodes idle. ``slurm.gpus_per_node: 0`` requests no GPUs by
+    count (the nodes' own), so only a non-zero value is compared with ``cluster.gpus_per_node``.
+    """
+    if ctx.nemo_rl_launcher != "slurm":
+        return []
+    slurm = SlurmSettings.from_params(ctx.params)
+    num_nodes = get_path(cfg, "cluster.num_nodes", 1)
+    gym_nodes = get_path(cfg, "env.nemo_gym.num_gpu_nodes", 0) or 0
+    errors = []
+    if slurm.nodes != num_nodes + gym_nodes:
+        gym = f" + env.nemo_gym.num_gpu_nodes {gym_nodes}" if gym_nodes else ""
+        errors.append(
+            f"slurm.nodes is {slurm.nodes} but stage '{ctx.name}' needs {num_nodes + gym_nodes} node(s) "
+            f"(cluster.num_nodes {num_nodes}{gym}): set params.yaml slurm.nodes to {num_nodes + gym_nodes}, "
+            f"or {_where(ctx, 'cluster.num_nodes')} to {slurm.nodes - gym_nodes} (slurm.nodes is one "
+            "request for every stage)"
+        )
+    gpus = get_path(cfg, "cluster.gpus_per_node")
+    if slurm.gpus_per_node and gpus is not None and slurm.gpus_per_node != gpus:
+        errors.append(
+            f"slurm.gpus_per_node is {slurm.gpus_per_node} but stage '{ctx.name}' has cluster.gpus_per_node "
+            f"{gpus}: set params.yaml slurm.gpus_per_node to {gpus}, or "
+            f"{_where(ctx, 'cluster.gpus_per_node')} to {slurm.gpus_per_node}"
+        )
+    return errors
 
 
 def require_valid(ctx, cfg: dict[str, Any] | None = None) -> Report:
