@@ -13,6 +13,7 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,10 @@ QUIET_ENV = {
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
     "TRANSFORMERS_VERBOSITY": "error",
 }
-# When stderr is no terminal (CI logs, `dvc repro > log`), the bar is one line this often.
+# When stderr is no terminal (CI logs, `dvc repro > log`), the bar is one line this often,
+# and at least once this many seconds when steps are slow.
 PLAIN_LINES = 10
+PLAIN_EVERY_S = 60.0
 
 
 def raw_log_path(root: Path, stage: str) -> Path:
@@ -69,23 +72,54 @@ def _fmt(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def progress_callback(stage: str, headline: dict[str, str], log_file: Path | None = None):
-    """A transformers callback: one bar with step/s, ETA and ``headline`` metrics.
+def speed(done: int, elapsed: float, left: int) -> str:
+    """``12.5 step/s  ETA 8s`` for fast steps, ``41 s/step  ETA 3m25s`` once a step takes over a second."""
+    if done <= 0 or elapsed <= 0:
+        return "ETA ?"
+    per_step = elapsed / done
+    if per_step > 1.0:
+        rate = f"{per_step:.0f} s/step" if per_step >= 10 else f"{per_step:.1f} s/step"
+    else:
+        rate = f"{done / elapsed:.1f} step/s"
+    return f"{rate}  ETA {duration(left * per_step)}"
+
+
+def duration(seconds: float) -> str:
+    """``45s``, ``3m20s``, ``2h05m``: whole seconds, the two largest units."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def progress_callback(
+    stage: str,
+    headline: dict[str, str],
+    log_file: Path | None = None,
+    clock: Callable[[], float] = time.monotonic,
+):
+    """A transformers callback: one bar with speed (step/s, or s/step for slow steps), ETA and
+    ``headline`` metrics.
 
     ``headline`` maps trainer log keys to the short names shown (``{"loss": "loss"}``).
-    A tqdm bar on a terminal; otherwise ``PLAIN_LINES`` plain lines over the run. Every log
-    dict the trainer emits goes to ``log_file`` instead of the console.
+    A tqdm bar on a terminal; otherwise ``PLAIN_LINES`` plain lines over the run, and one at
+    least every ``PLAIN_EVERY_S`` seconds. Every log dict the trainer emits goes to
+    ``log_file`` instead of the console. ``clock`` is for tests.
     """
     from transformers import TrainerCallback
 
     class ConsoleProgress(TrainerCallback):
         bar = None
         started = 0.0
+        printed = 0.0
         first_step = 0
         shown: dict[str, float] = {}
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.started, self.first_step, self.shown = time.monotonic(), state.global_step, {}
+            self.started, self.first_step, self.shown = clock(), state.global_step, {}
+            self.printed = self.started
             if sys.stderr.isatty():
                 from tqdm.auto import tqdm
 
@@ -106,8 +140,14 @@ def progress_callback(stage: str, headline: dict[str, str], log_file: Path | Non
                 self.bar.set_postfix({k: f"{v:.3g}" for k, v in self.shown.items()}, refresh=False)
                 return
             every = max(1, state.max_steps // PLAIN_LINES)
-            if state.global_step % every == 0 or state.global_step == state.max_steps:
-                print(self._line(state), flush=True)
+            now = clock()
+            if (
+                state.global_step % every == 0
+                or state.global_step == state.max_steps
+                or now - self.printed >= PLAIN_EVERY_S
+            ):
+                self.printed = now
+                print(self._line(state, now), flush=True)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             for key, name in headline.items():
@@ -122,15 +162,13 @@ def progress_callback(stage: str, headline: dict[str, str], log_file: Path | Non
             if self.bar is not None:
                 self.bar.close()
 
-        def _line(self, state) -> str:
+        def _line(self, state, now: float) -> str:
             done = state.global_step - self.first_step
-            elapsed = time.monotonic() - self.started
-            rate = done / elapsed if elapsed > 0 else 0.0
-            eta = (state.max_steps - state.global_step) / rate if rate > 0 else 0.0
+            elapsed = now - self.started
             metrics = "  ".join(f"{k} {v:.3g}" for k, v in self.shown.items())
             return (
-                f"{stage} step {state.global_step}/{state.max_steps}  {rate:.1f} step/s  "
-                f"ETA {int(eta) // 60}:{int(eta) % 60:02d}  {metrics}"
+                f"{stage} step {state.global_step}/{state.max_steps}  "
+                f"{speed(done, elapsed, state.max_steps - state.global_step)}  {metrics}"
             ).rstrip()
 
     return ConsoleProgress()

@@ -6,8 +6,9 @@
   in a temp dir, free ports; ``slurmctld -D`` and the slurmds are child processes, with a
   bounded wait until ``sinfo`` shows both nodes idle; teardown cancels its jobs and stops
   the daemons.
-- ``ray_cluster``: a Ray head (``ray start --head --block``) with the dashboard and Jobs
-  API on free ports; teardown sends it SIGTERM and kills whatever is left in its session.
+- ``ray_cluster``: a Ray head (``ray start --head --block``, token auth off) with the
+  dashboard and Jobs API on free ports; teardown sends it SIGTERM and kills whatever is left
+  in its session. ``ray_head(**env)`` starts one with other settings (token auth).
 
 When the software is missing the fixtures install it the way CI does
 (``.ci/install-clusters.sh``) instead of skipping. Test modules import the fixtures:
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,11 +238,14 @@ class RayCluster:
     address: str  # Jobs API (dashboard) URL
     gcs_address: str
     pid: int
+    token: str | None = None  # the cluster's auth token when it runs with RAY_AUTH_MODE=token
 
     def client(self):
+        """A Jobs client for the test itself (the launcher under test makes its own)."""
         from ray.job_submission import JobSubmissionClient
 
-        return JobSubmissionClient(self.address)
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+        return JobSubmissionClient(self.address, headers=headers)
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -256,8 +261,13 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[RayCluster]:
+@contextmanager
+def ray_head(**env_overrides: str) -> Iterator[RayCluster]:
+    """A Ray head on free loopback ports, in its own temp dir, stopped on exit.
+
+    ``env_overrides`` go into the head's environment (``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``,
+    ``HOME`` ...); the Jobs API is polled with the same ones until it answers.
+    """
     ensure_installed()
     (gcs, dash, client, nm, om, agent_http, agent_grpc, renv, metrics) = free_ports(9)
     tmp = Path(tempfile.mkdtemp(prefix="apray."))
@@ -266,9 +276,7 @@ def ray_cluster() -> Iterator[RayCluster]:
         # Jobs run `alignpipe` from the same venv (the repo and venv are shared with the "cluster").
         "PATH": BIN + os.pathsep + os.environ.get("PATH", ""),
         "RAY_USAGE_STATS_ENABLED": "0",
-        # A loopback test cluster without token auth: Ray >= 2.60 turns it on for a new head
-        # whenever ~/.ray/auth_token exists (any local `ray.init()` writes one).
-        "RAY_AUTH_MODE": "disabled",
+        **env_overrides,
     }
     argv = [
         str(Path(BIN) / "ray"),
@@ -295,7 +303,10 @@ def ray_cluster() -> Iterator[RayCluster]:
     ]
     log = (tmp / "head.out").open("w")
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    cluster = RayCluster(address=f"http://127.0.0.1:{dash}", gcs_address=f"127.0.0.1:{gcs}", pid=proc.pid)
+    token = env_overrides.get("RAY_AUTH_TOKEN") if env_overrides.get("RAY_AUTH_MODE") == "token" else None
+    cluster = RayCluster(
+        address=f"http://127.0.0.1:{dash}", gcs_address=f"127.0.0.1:{gcs}", pid=proc.pid, token=token
+    )
 
     def jobs_api_up() -> bool:
         if proc.poll() is not None:
@@ -329,3 +340,12 @@ def ray_cluster() -> Iterator[RayCluster]:
         if proc.poll() is None:
             proc.wait(timeout=10)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[RayCluster]:
+    # A loopback test cluster without token auth: Ray >= 2.60 turns it on for a new head
+    # whenever ~/.ray/auth_token exists (any local `ray.init()` writes one).
+    # tests/test_ray_auth.py starts one with token auth.
+    with ray_head(RAY_AUTH_MODE="disabled") as cluster:
+        yield cluster

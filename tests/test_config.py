@@ -128,7 +128,9 @@ def test_plan_prints_resolved_config_and_launch_command(repo_copy):
     assert "alignpipe run sft --inner" in proc.stdout or "alignpipe run sft" in proc.stdout
     written = sorted(p.name for p in (repo_copy / "plan").iterdir())
     assert any(name.endswith(".sh") for name in written)
-    assert not (repo_copy / "models").exists()  # planning runs nothing
+    # Planning runs nothing: the output folders hold only the .gitignore files DVC keeps there.
+    for folder in ("models", "results", "exports"):
+        assert [p.name for p in (repo_copy / folder).iterdir()] == [".gitignore"], folder
 
 
 def test_local_engine_refuses_gpu_only_settings(repo_copy):

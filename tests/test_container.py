@@ -172,11 +172,13 @@ def test_docker_reads_the_device_list_as_one_gpu_request(
 def test_secrets_travel_by_name_only(monkeypatch) -> None:
     monkeypatch.setenv("HF_TOKEN", "hf_supersecret")
     monkeypatch.setenv("WANDB_API_KEY", "wandbsecret")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "raysecret")  # the ray launcher's; never forwarded
     argv = launcher(runtime="podman").command(
         ["alignpipe", "run", "rm", "--inner"], stage="rm", workdir=Path("/w")
     )
     joined = " ".join(argv)
-    assert "supersecret" not in joined and "wandbsecret" not in joined
+    assert "supersecret" not in joined and "wandbsecret" not in joined and "raysecret" not in joined
+    assert "RAY_AUTH_TOKEN" not in argv
     assert argv[argv.index("HF_TOKEN") - 1] == "-e" and argv[argv.index("WANDB_API_KEY") - 1] == "-e"
     for name in ("HF_HUB_OFFLINE", "ALIGNPIPE_ROOT"):
         assert name in argv

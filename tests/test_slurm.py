@@ -166,9 +166,21 @@ def test_interrupting_the_stage_cancels_the_job(
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_two_node_job_starts_a_ray_cluster_first(slurm: SlurmCluster, tmp_path: Path) -> None:
+def test_two_node_job_starts_a_ray_cluster_first(
+    slurm: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """nodes=2: Ray head on the first node, a worker on the second (ray.sub), then the trainer
-    on the head attaches with ``ray.init(address="auto")`` and sees both nodes."""
+    on the head attaches with ``ray.init(address="auto")`` and sees both nodes.
+
+    With token auth, as Ray >= 2.59 has it: ~/.ray/auth_token exists (any local ``ray.init()``
+    writes one) and RAY_AUTH_MODE is unset. The job's cluster then runs with a token made for
+    it alone, shared by every node and the trainer, and written to no file or log."""
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("a-token-from-some-local-ray-init")
+    monkeypatch.setenv("HOME", str(home))  # never the user's own ~/.ray/auth_token
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
     gcs, dash, client, metrics, agent_head, agent_worker = free_ports(6)
     small = ["--num-cpus=1", "--object-store-memory=80000000"]
     slurm_launcher = launcher(
@@ -188,10 +200,12 @@ def test_two_node_job_starts_a_ray_cluster_first(slurm: SlurmCluster, tmp_path: 
         ],
         ray_worker_args=[*small, f"--dashboard-agent-listen-port={agent_worker}"],
     )
+    seen = tmp_path / "token-the-trainer-saw"
     probe = (
-        "import os, ray; ray.init(address='auto'); "
+        "import os, pathlib, ray; ray.init(address='auto'); "
         "print('alive nodes', sum(n['Alive'] for n in ray.nodes()), 'at', os.environ['RAY_ADDRESS'], "
-        "'on', os.environ['SLURMD_NODENAME'])"
+        "'on', os.environ['SLURMD_NODENAME'], 'auth', os.environ['RAY_AUTH_MODE']); "
+        f"pathlib.Path({str(seen)!r}).write_text(os.environ['RAY_AUTH_TOKEN'])"
     )
     out = io.StringIO()
     try:
@@ -204,7 +218,12 @@ def test_two_node_job_starts_a_ray_cluster_first(slurm: SlurmCluster, tmp_path: 
     assert code == 0, log
     assert slurm_launcher.last_job["nodes"] == "n[1-2]"
     assert "starting the Ray head on n1" in log and "Ray cluster ready with 2 node(s)" in log
-    assert re.search(rf"alive nodes 2 at \S+:{gcs} on n1", log), log
+    assert re.search(rf"alive nodes 2 at \S+:{gcs} on n1 auth token", log), log
+    token = seen.read_text()
+    assert re.fullmatch(r"[0-9a-f]{64}", token), "a token made for this job"
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and p != seen]
+    assert written and not [p for p in written if token.encode() in p.read_bytes()]
+    assert token not in log
 
 
 def test_script_and_sbatch_options_from_params() -> None:
@@ -245,6 +264,9 @@ def test_script_and_sbatch_options_from_params() -> None:
         head < script.index('ray start --address="$RAY_ADDRESS"') < script.rindex("alignpipe run sft --inner")
     )
     assert 'export RAY_ADDRESS="$head_ip:$ray_port"' in script
+    # One auth mode for the head, the workers and the trainer, decided before the head starts.
+    assert script.index('export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"') < head
+    assert script.index("export RAY_AUTH_TOKEN") < head
     with pytest.raises(ConfigError, match="slurm.partitoin"):
         SlurmSettings.from_params({"slurm": {"partitoin": "batch"}})
 

@@ -8,6 +8,14 @@ left out unless ``ray.forward_secrets`` is true, because Ray keeps the runtime e
 its job table and dashboard. Logs are streamed while the job runs, the exit status is
 returned (SUCCEEDED -> 0, FAILED -> the entrypoint's exit code), and Ctrl-C or SIGTERM
 stops the job (``stop_job``) before the stage exits.
+
+Token authentication (Ray >= 2.52): with ``RAY_AUTH_MODE=token`` in this process's
+environment, every Jobs API call (submit, status, logs, stop) carries the token Ray's own
+loader finds: ``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH`` names, else
+``~/.ray/auth_token``. As with Ray's own clients, an explicit address never turns token auth
+on by itself, so a local cluster's token is not sent elsewhere unasked. A missing or refused
+token stops the stage before anything is submitted. The token never enters the job's
+runtime env, a log line or the plan; the cluster's nodes hold their own copy.
 """
 
 from __future__ import annotations
@@ -130,7 +138,10 @@ class RayJobLauncher(JobLauncher):
         return {k: v for k, v in kwargs.items() if v is not None}
 
     def command(self, argv: Sequence[str], *, stage: str, workdir: Path) -> list[str]:
-        """The equivalent ``ray job submit`` line (what ``run`` does through the Python API)."""
+        """The equivalent ``ray job submit`` line (what ``run`` does through the Python API).
+
+        Like ``run``, ``ray job submit`` takes the token from the environment (RAY_AUTH_MODE,
+        RAY_AUTH_TOKEN ...), so the line never holds it."""
         address = self.settings.address or os.environ.get("RAY_ADDRESS")
         env_vars, _ = self.job_env({}, "<submission-id>")
         cmd = ["ray", "job", "submit"]
@@ -152,15 +163,22 @@ class RayJobLauncher(JobLauncher):
 
     def client(self):
         try:
+            from ray.exceptions import AuthenticationError
             from ray.job_submission import JobSubmissionClient
         except ImportError as e:
             raise AlignpipeError(
-                "the ray launcher needs Ray's job client on this host: pip install 'ray[default]' "
-                "(the same version as the cluster)"
+                "the ray launcher needs Ray's job client on this host: pip install 'ray[default]>=2.55.1,<2.61' "
+                "(the cluster's version; docs/SCALE_OUT.md)"
             ) from e
+
         address = self.address()
+        headers = auth_headers()
         try:
-            return JobSubmissionClient(address)
+            # Connecting asks the cluster for its version, an authenticated call: a missing or
+            # wrong token fails here, before anything is submitted.
+            return JobSubmissionClient(address, headers=headers or None)
+        except AuthenticationError:
+            raise refused(address, sent_token=bool(headers)) from None
         except Exception as e:  # Ray raises ConnectionError, RuntimeError or ValueError here
             raise AlignpipeError(
                 f"cannot reach the Ray Jobs API at {address}: {e}. ray.address / RAY_ADDRESS must be the "
@@ -244,6 +262,71 @@ class RayJobLauncher(JobLauncher):
     def last_job_where(self) -> str:
         job = self.last_job or {}
         return f"Ray job {job.get('job_id', '?')} ran its driver on node {job.get('driver_node_id') or '?'}"
+
+
+# Where Ray's token loader looks, in its order of precedence.
+TOKEN_SOURCES = "RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token"
+
+
+def default_token_file() -> Path:
+    return Path.home() / ".ray" / "auth_token"
+
+
+def token_source(environ: Mapping[str, str] | None = None) -> str:
+    """Where Ray's loader takes the token from right now, named for an error message."""
+    environ = os.environ if environ is None else environ
+    if environ.get("RAY_AUTH_TOKEN", "").strip():
+        return "the RAY_AUTH_TOKEN environment variable"
+    if environ.get("RAY_AUTH_TOKEN_PATH"):
+        return f"the file {environ['RAY_AUTH_TOKEN_PATH']} (named by RAY_AUTH_TOKEN_PATH)"
+    return f"{default_token_file()} (Ray's default token file)"
+
+
+def auth_headers() -> dict[str, str]:
+    """The Jobs API's Authorization header, from Ray's own token loader; {} unless RAY_AUTH_MODE=token."""
+    mode = os.environ.get("RAY_AUTH_MODE", "").strip().lower()
+    if mode != "token":
+        return {}
+    try:
+        from ray._raylet import AuthenticationTokenLoader
+    except ImportError:
+        raise AlignpipeError(
+            "RAY_AUTH_MODE=token is set but this host's Ray has no token authentication: install "
+            "'ray[default]>=2.52' (the cluster's version) or unset RAY_AUTH_MODE"
+        ) from None
+    loader = AuthenticationTokenLoader.instance()
+    # The loader caches the token, and Ray's process-wide config caches RAY_AUTH_MODE from the
+    # first time it was read: read the token as the environment and files are now (tests and
+    # notebooks run several stages in one process), the mode having been checked above.
+    loader.reset_cache()
+    try:
+        headers = dict(loader.get_token_for_http_header(ignore_auth_mode=True))
+    except Exception:  # ray.exceptions.AuthenticationError: RAY_AUTH_TOKEN_PATH unreadable or empty
+        headers = {}
+    if not headers:
+        raise AlignpipeError(
+            f"RAY_AUTH_MODE=token is set but Ray found no token in {token_source()}. Ray reads it from "
+            f"{TOKEN_SOURCES}, in that order: put the cluster's token in one of them (KubeRay: the "
+            "auth_token key of the cluster's Secret; docs/SCALE_OUT.md), or unset RAY_AUTH_MODE for a "
+            "cluster without token auth. Nothing was submitted"
+        )
+    return headers
+
+
+def refused(address: str, sent_token: bool) -> AlignpipeError:
+    """The cluster answered 401/403: say which token went (or none) and where to fix it."""
+    if sent_token:
+        return AlignpipeError(
+            f"the Ray cluster at {address} refused the token from {token_source()}: it is not this "
+            f"cluster's token. Put the cluster's token there (Ray reads {TOKEN_SOURCES}, in that "
+            "order). Nothing was submitted"
+        )
+    mode = os.environ.get("RAY_AUTH_MODE") or "unset"
+    return AlignpipeError(
+        f"the Ray cluster at {address} requires token authentication and no token was sent "
+        f"(RAY_AUTH_MODE is {mode} here): export RAY_AUTH_MODE=token and give the cluster's token in "
+        f"{TOKEN_SOURCES}. Nothing was submitted"
+    )
 
 
 def exit_code(status: Any, driver_exit_code: int | None, message: str | None) -> int:

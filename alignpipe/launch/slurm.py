@@ -6,6 +6,8 @@ jobs it first starts a Ray cluster across the allocation the way NeMo-RL's ``ray
 does: ``ray start --head`` on the first node, ``ray start --address`` on the others, a
 bounded wait until every node has joined, then the trainer on the head node with
 ``RAY_ADDRESS`` set (NeMo-RL's ``init_ray()`` attaches to it with ``address="auto"``).
+That cluster uses Ray's token auth unless ``RAY_AUTH_MODE=disabled`` is exported: every
+step gets the same ``RAY_AUTH_MODE`` and token (made per job unless given).
 
 While the job runs, its log file (``--output``) is streamed to this process's stdout.
 Ctrl-C or SIGTERM cancels the job (``scancel``) before the stage exits. The job id, script,
@@ -198,6 +200,18 @@ class SlurmLauncher(JobLauncher):
             'head_ip="$(srun --nodes=1 --ntasks=1 --overlap -w "$head_node" hostname --ip-address | awk \'{print $1}\')"',
             f"ray_port={s.ray_port}",
             'export RAY_ADDRESS="$head_ip:$ray_port"',
+            # Token auth (Ray >= 2.52): the head, the workers, `ray status` and the trainer must
+            # agree on RAY_AUTH_MODE and share one token. Ray >= 2.59 turns it on for a head
+            # whenever ~/.ray/auth_token exists, but never for a worker or client joining it, so
+            # the mode is decided here, once, for every step. Unset means token, with a token
+            # made for this job's cluster alone (unless RAY_AUTH_TOKEN/RAY_AUTH_TOKEN_PATH give
+            # one): it lives in the environment the steps inherit, never in a file or the log.
+            "# Ray token auth: one RAY_AUTH_MODE and one token for every node and the trainer.",
+            'export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"',
+            'if [ "$RAY_AUTH_MODE" = token ] && [ -z "${RAY_AUTH_TOKEN:-}" ] && [ -z "${RAY_AUTH_TOKEN_PATH:-}" ]; then',
+            "  RAY_AUTH_TOKEN=\"$(od -An -tx1 -N32 /dev/urandom | tr -d ' \\n')\"",
+            "  export RAY_AUTH_TOKEN",
+            "fi",
             "ray_pids=()",
             'stop_ray() { for p in "${ray_pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }',
             "trap stop_ray EXIT",
@@ -216,7 +230,8 @@ class SlurmLauncher(JobLauncher):
             "    sleep 3",
             "  done",
             "}",
-            'echo "alignpipe: starting the Ray head on $head_node ($RAY_ADDRESS) and ${#nodes[@]} node(s) in all"',
+            'echo "alignpipe: starting the Ray head on $head_node ($RAY_ADDRESS, auth $RAY_AUTH_MODE) and '
+            '${#nodes[@]} node(s) in all"',
             f'{head_step} ray start --head --node-ip-address="$head_ip" --port="$ray_port" '
             f"--num-gpus={gpus} --disable-usage-stats {head_args} --block &",
             "ray_pids+=($!)",
