@@ -164,8 +164,10 @@ def stage_names() -> list[str]:
 
 
 @functools.cache
-def convert_items() -> tuple[str, ...]:
-    return tuple(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["convert"]["foreach"])
+def foreach_items(stage: str) -> tuple[str, ...]:
+    """A foreach stage's items (a dict's keys: benchmark), empty for other stages."""
+    body = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"].get(stage) or {}
+    return tuple(body.get("foreach") or ())
 
 
 @functools.cache
@@ -215,7 +217,7 @@ def composition_errors(overrides: tuple[str, ...], targets: tuple[str, ...] = ()
         return [f"DVC's Hydra composition refuses {list(overrides)}: {' '.join(str(e).split())}"]
     errors = []
     for stage in stage_names():
-        source = convert_items()[0] if stage == "convert" else None
+        source = (foreach_items(stage) or (None,))[0]
         try:
             ctx = build_context(REPO, stage, params=params, source=source)
         except Exception as e:
@@ -302,8 +304,9 @@ def check_alignpipe(argv: list[str]) -> list[str]:
     if profile is not None and not is_placeholder(profile) and profile not in profiles():
         errors.append(f"no profile {profile!r} in conf/profile/")
     source = getattr(args, "source", None)
-    if source is not None and not is_placeholder(source) and source not in convert_items():
-        errors.append(f"no convert item {source!r} (dvc.yaml foreach: {', '.join(convert_items())})")
+    items = foreach_items(stage) if stage else ()
+    if source is not None and not is_placeholder(source) and source not in items:
+        errors.append(f"no {stage} item {source!r} (dvc.yaml foreach: {', '.join(items)})")
     real = stage and not any(map(is_placeholder, (stage, profile or "x", source or "x")))
     if not errors and args.command == "plan" and not args.check and real:
         try:
