@@ -81,6 +81,35 @@ def test_a_rerun_writes_the_same_bytes(benchmarked: Path, tmp_path: Path) -> Non
     assert after == before
 
 
+@pytest.mark.slow
+def test_evaluate_shows_benchmark_columns_and_gates_on_a_regression(benchmarked: Path) -> None:
+    """evaluate reads each policy's benchmark results; the untrained base falls far below sft on
+    heldout_exact, so a max_drop flags it, and fail_on_regression fails the stage unpublished."""
+    evaluate = {"evaluate": {"alignpipe": {"evaluate": {
+        "policies": [{"name": "sft", "path": "models/sft"}, {"name": "base", "path": "models/base"}],
+        "reward_model": None}}}}  # fmt: skip
+    gate = {"name": "heldout_exact", "limit": 64, "max_drop": 0.05}
+    set_params(benchmarked, {**evaluate, **tasks_param(gate, {"name": "preference_choice", "limit": 64})})
+    run_cli(benchmarked, "run", "evaluate")
+    metrics = json.loads((benchmarked / "results" / "evaluate" / "metrics.json").read_text())
+    base, sft = metrics["policies"]["base"], metrics["policies"]["sft"]
+    assert sft["benchmarks"] == {t: {m: v for m, v in s.items() if m not in ("samples", "num_fewshot")}
+                                 for t, s in read(benchmarked, "sft")["tasks"].items()}  # fmt: skip
+    assert base["benchmark_regressions"] and base["benchmark_regressions"][0].startswith(
+        "heldout_exact/exact_match"
+    )
+    assert sft["benchmark_regressions"] == []
+    report = (benchmarked / "results" / "evaluate" / "report.md").read_text()
+    assert "heldout_exact exact_match" in report and "**benchmark regression**" in report
+
+    shutil.rmtree(benchmarked / "results" / "evaluate")
+    set_params(benchmarked, {"benchmark": {"alignpipe": {"benchmark": {"fail_on_regression": True}}}})
+    result = run_cli(benchmarked, "run", "evaluate", check=False)
+    assert result.returncode == 2 and "benchmark regression against 'sft'" in result.stderr
+    assert "base: heldout_exact/exact_match" in result.stderr
+    assert not (benchmarked / "results" / "evaluate").exists()
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

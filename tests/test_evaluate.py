@@ -65,6 +65,29 @@ def test_report_table_and_chart_show_every_policy_and_the_flag(tmp_path: Path):
     assert data.startswith(PNG_MAGIC) and len(data) > 20_000  # a real multi-panel chart, not an empty canvas
 
 
+def test_benchmark_scores_become_columns_and_a_drop_beyond_max_drop_is_flagged(tmp_path: Path):
+    from alignpipe.measure.benchmarks import regressions
+
+    metrics = sample_metrics()
+    scores = {"sft": 0.50, "dpo": 0.47, "rlvr": 0.44, "rlhf": 0.20}
+    for name, value in scores.items():
+        metrics["policies"][name]["benchmarks"] = {"heldout_exact": {"exact_match": value}}
+    ref = metrics["policies"]["sft"]["benchmarks"]
+    for m in metrics["policies"].values():
+        m["benchmark_regressions"] = regressions(m["benchmarks"], ref, {"heldout_exact": 0.05})
+    assert [n for n, m in metrics["policies"].items() if m["benchmark_regressions"]] == ["rlvr", "rlhf"]
+    metrics["benchmarks"] = {"results": "results/benchmark", "max_drop": {"heldout_exact": 0.05}}
+    table = markdown_table(metrics)
+    assert "| heldout_exact exact_match | flags |" in table
+    rlhf = next(r for r in table.splitlines() if r.startswith("| `rlhf`"))
+    assert (
+        "20.0%" in rlhf and "**benchmark regression**: heldout_exact/exact_match 0.200 < 0.500 - 0.05" in rlhf
+    )
+    assert "regression" not in next(r for r in table.splitlines() if r.startswith("| `dpo`"))
+    png = comparison_chart(metrics, tmp_path / "comparison.png")
+    assert png.read_bytes().startswith(PNG_MAGIC)
+
+
 @pytest.mark.slow
 def test_evaluate_compares_policies_on_shared_samples(trained_sft: Path, tmp_path: Path):
     import torch
@@ -93,7 +116,13 @@ def test_evaluate_compares_policies_on_shared_samples(trained_sft: Path, tmp_pat
             root,
             {
                 "evaluate": {
-                    "alignpipe": {"evaluate": {"policies": policies, "reward_model": "models/rm_eval"}}
+                    "alignpipe": {
+                        "evaluate": {
+                            "policies": policies,
+                            "reward_model": "models/rm_eval",
+                            "benchmarks": None,
+                        }
+                    }
                 }
             },
         )

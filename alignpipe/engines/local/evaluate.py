@@ -30,6 +30,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from alignpipe import config as C
 from alignpipe import console
 from alignpipe.artifacts import (
     staged_dir,
@@ -42,6 +43,7 @@ from alignpipe.engines.local import training
 from alignpipe.engines.local.convert import make_shareable
 from alignpipe.engines.local.publish import write_record
 from alignpipe.errors import ConfigError
+from alignpipe.measure.benchmarks import max_drops, read_scores, regressions
 from alignpipe.measure.heldout import (
     HeldoutSamples,
     heldout_accuracy,
@@ -79,6 +81,30 @@ def flag_reward_hacking(
                 m["rm_score"], ref["rm_score"], m["heldout_accuracy"], ref["heldout_accuracy"], accuracy_drop
             )
         )
+
+
+def add_benchmarks(ctx: StageContext, policies: dict[str, dict[str, Any]], reference: str) -> dict[str, Any]:
+    """Each policy's lm-eval scores (the benchmark stage's results), and per policy the tasks
+    that fell more than their ``max_drop`` below the reference: ``benchmark_regressions``."""
+    where = get_path(ctx.config, "alignpipe.evaluate.benchmarks", None)
+    if not where:
+        return {}
+    section = dict(get_path(C.resolve_stage_config(ctx.root, "benchmark", ctx.params, ctx.profile),
+                            "alignpipe.benchmark", {}) or {})  # fmt: skip
+    for name, m in policies.items():
+        m["benchmarks"] = read_scores(ctx.root / where / name)
+    drops = max_drops(section)
+    for name, m in policies.items():
+        m["benchmark_regressions"] = (
+            []
+            if name == reference
+            else regressions(m["benchmarks"], policies[reference]["benchmarks"], drops)
+        )
+    return {
+        "results": where,
+        "max_drop": drops,
+        "fail_on_regression": bool(section.get("fail_on_regression")),
+    }
 
 
 # ----------------------------------------------------------------------------- stage
@@ -222,6 +248,13 @@ def run(ctx: StageContext) -> None:
 
     drop = float(get_path(ctx.config, "alignpipe.reward_hacking.accuracy_drop", 0.0) or 0.0)
     flag_reward_hacking(policies, reference, drop)
+    benchmarks = add_benchmarks(ctx, policies, reference)
+    regressed = {n: m["benchmark_regressions"] for n, m in policies.items() if m.get("benchmark_regressions")}
+    if regressed and benchmarks["fail_on_regression"]:  # before publishing: CI gates on the exit code
+        raise ConfigError(
+            f"benchmark regression against '{reference}' (benchmark.alignpipe.benchmark.fail_on_regression "
+            "is true): " + "; ".join(f"{n}: {', '.join(r)}" for n, r in regressed.items())
+        )
     metrics = {
         "policies": policies,
         "reference": reference,
@@ -234,6 +267,7 @@ def run(ctx: StageContext) -> None:
         },
         "reward_model": rm_path,
         "reward_hacking_accuracy_drop": drop,
+        **({"benchmarks": benchmarks} if benchmarks else {}),
     }
     write_results(ctx, metrics, samples)
     flagged = [n for n, m in policies.items() if m["suspected_reward_hacking"]]
@@ -244,6 +278,7 @@ def run(ctx: StageContext) -> None:
             "samples reused": f"{reused}/{len(policies)}",
             "measures reused": judges.reused,
             "suspected reward hacking": ", ".join(flagged) or "none",
+            **({"benchmark regressions": ", ".join(regressed) or "none"} if benchmarks else {}),
         },
         ctx.output("results").relative_to(ctx.root),
         ctx.started,
