@@ -139,8 +139,10 @@ def split_chain(text: str) -> list[str]:
 
 
 def argv_of(text: str) -> list[str]:
-    """The command's words: comments, env assignments, optional ``[...]`` brackets and ``...`` dropped."""
-    words = shlex.split(text.replace("[", " ").replace("]", " "), comments=True)
+    """The command's words: comments, env assignments, optional ``[...]`` brackets and ``...`` dropped
+    (a ``key=[...]`` value keeps its brackets: a Hydra list)."""
+    words = [w if "=" in w else w.strip("[]") for w in shlex.split(text, comments=True)]
+    words = [w for w in words if w]
     while words and re.match(r"^[A-Za-z_]\w*=", words[0]):
         words.pop(0)
     if words and words[0].startswith(".venv/bin/"):
