@@ -16,6 +16,7 @@ import hashlib
 import http.server
 import json
 import os
+import re
 import shutil
 import signal
 import socketserver
@@ -189,6 +190,17 @@ def test_container_name_is_deterministic_per_workspace_and_stage() -> None:
     assert a == container_name("sft", Path("/w/repo"))
     assert a != container_name("sft", Path("/other/repo")) and a != container_name("dpo", Path("/w/repo"))
     assert a.startswith("alignpipe-repo-sft-")
+    # A foreach item (convert@dpo) becomes a name docker and podman accept: [a-zA-Z0-9][a-zA-Z0-9_.-]*
+    assert re.fullmatch(
+        r"alignpipe-repo-convert-dpo-[0-9a-f]{10}", container_name("convert@dpo", Path("/w/repo"))
+    )
+
+
+def test_host_gpu_indices_stay_outside(monkeypatch) -> None:
+    """CUDA_VISIBLE_DEVICES names host GPUs; inside, runtime.gpus's devices count from 0."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    argv = launcher(runtime="docker", gpus="4,5").command(["true"], stage="s", workdir=Path("/w"))
+    assert "CUDA_VISIBLE_DEVICES" not in argv and '"device=4,5"' in argv
 
 
 def test_from_params_validates() -> None:

@@ -154,6 +154,7 @@ def test_settings_address_and_exit_codes(monkeypatch: pytest.MonkeyPatch) -> Non
     assert "--entrypoint-num-cpus=2" in cmd
     assert cmd[-1] == "cd /shared/repo || " + cmd[-1].split(" || ", 1)[1]
     assert cmd[-1].endswith("&& exec alignpipe run sft --inner")
+    assert '&& export PYTHONPATH=/shared/repo"${PYTHONPATH:+:$PYTHONPATH}" &&' in cmd[-1]  # the repo's code
     with pytest.raises(ConfigError, match="ray.adress"):
         RaySettings.from_params({"ray": {"adress": "x"}})
     assert exit_code("SUCCEEDED", None, None) == 0

@@ -264,6 +264,8 @@ def test_script_and_sbatch_options_from_params() -> None:
         head < script.index('ray start --address="$RAY_ADDRESS"') < script.rindex("alignpipe run sft --inner")
     )
     assert 'export RAY_ADDRESS="$head_ip:$ray_port"' in script
+    # The repository's code runs, not the image's copy (alignpipe.stage refuses any other).
+    assert f'export PYTHONPATH={root}"${{PYTHONPATH:+:$PYTHONPATH}}"' in script
     # One auth mode for the head, the workers and the trainer, decided before the head starts.
     assert script.index('export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"') < head
     assert script.index("export RAY_AUTH_TOKEN") < head

@@ -80,6 +80,7 @@ def container_name(stage: str, workdir: Path) -> str:
     workspace collides loudly instead of two containers writing the same outputs."""
     digest = hashlib.sha256(str(Path(workdir).resolve()).encode()).hexdigest()[:10]
     slug = re.sub(r"[^a-zA-Z0-9_.-]+", "-", Path(workdir).name).strip("-.") or "repo"
+    stage = re.sub(r"[^a-zA-Z0-9_.-]+", "-", stage)  # convert@dpo: container names allow [a-zA-Z0-9_.-]
     return f"alignpipe-{slug}-{stage}-{digest}"
 
 
@@ -176,7 +177,10 @@ class ContainerLauncher(JobLauncher):
             if not any(directory == m or m in directory.parents for m in mounted):
                 cmd += ["-v", f"{directory}:{directory}"]
                 mounted.append(directory)
-        for name in sorted(set(env_names) - {"ALIGNPIPE_SCRATCH", "HOME", "PYTHONPATH"}):
+        # CUDA_VISIBLE_DEVICES holds host indices; inside, the runtime.gpus devices count from 0.
+        for name in sorted(
+            set(env_names) - {"ALIGNPIPE_SCRATCH", "HOME", "PYTHONPATH", "CUDA_VISIBLE_DEVICES"}
+        ):
             cmd += ["-e", name]
         cmd += self.extra_args
         cmd.append(self.image)
@@ -187,9 +191,9 @@ class ContainerLauncher(JobLauncher):
         names = sorted(forwarded_env())
         from alignpipe.context import OFFLINE_ENV
 
-        return self.argv(
-            argv, stage=stage, workdir=workdir, env_names=sorted({*names, *OFFLINE_ENV, "ALIGNPIPE_ROOT"})
-        )
+        env = forwarded_env()
+        return self.argv(argv, stage=stage, workdir=workdir, env_dirs=env_dirs(env),
+                         env_names=sorted({*names, *OFFLINE_ENV, "ALIGNPIPE_ROOT"}))  # fmt: skip
 
     # ------------------------------------------------------------------ run
 

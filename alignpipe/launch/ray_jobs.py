@@ -107,6 +107,8 @@ class RayJobLauncher(JobLauncher):
             f'cd {shlex.quote(str(workdir))} || {{ echo "alignpipe: {workdir} does not exist on the Ray node '
             "$(hostname); the ray launcher needs the repository on a filesystem shared with the cluster, "
             'at the same path" >&2; exit 2; }'
+            # The repository's alignpipe, ahead of an image's or venv's copy (alignpipe.stage checks it).
+            f' && export PYTHONPATH={shlex.quote(str(workdir))}"${{PYTHONPATH:+:$PYTHONPATH}}"'
         )
         parts = [*self.settings.setup, cd] if self.settings.working_dir is None else list(self.settings.setup)
         return " && ".join([*parts, f"exec {shell_join(argv)}"]) if parts else f"exec {shell_join(argv)}"

@@ -179,6 +179,8 @@ class SlurmLauncher(JobLauncher):
         lines += [
             f'cd {workdir_q} || {{ echo "alignpipe: {workdir} is not visible on $(hostname); the slurm launcher '
             'needs the repository on a filesystem shared with the compute nodes, at the same path" >&2; exit 2; }',
+            # The repository's alignpipe, ahead of an image's or venv's copy (alignpipe.stage checks it).
+            f'export PYTHONPATH={workdir_q}"${{PYTHONPATH:+:$PYTHONPATH}}"',
             f'echo "alignpipe: slurm job ${{SLURM_JOB_ID}} on ${{SLURM_JOB_NODELIST}}: {shell_join(argv)}"',
         ]
         command = shell_join(argv)
