@@ -23,7 +23,9 @@ REDUCED = {
     "sft": {"sft": {"max_num_steps": 8}, **HELDOUT},
     "rlvr": {"grpo": {"max_num_steps": 2}, **HELDOUT},
     "convert": {"alignpipe": {"export": {"verify": {"prompts": 2}}}},
-}
+    "benchmark": {"alignpipe": {"benchmark": {"tasks": [
+        {"name": "heldout_boxed", "limit": 16}, {"name": "preference_choice", "limit": 16}]}}},
+}  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +50,7 @@ def small_run(smollm2_dir: Path, tmp_path_factory) -> Path:
     for stage in ("prep", "base", "sft", "rlvr"):
         run_cli(root, "run", stage, env=env)
     run_cli(root, "run", "convert", "--source", "rlvr", env=env)
+    run_cli(root, "run", "benchmark", "--source", "rlvr", env=env)
     return root
 
 
@@ -102,3 +105,22 @@ def test_a_model_without_a_pad_token_trains_through_sft(smollm2_dir: Path, tmp_p
     assert tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>"
     manifest = json.loads((root / "models" / "base" / "artifact.json").read_text())
     assert manifest["source_model"]["pad_token"].startswith("eos")
+
+
+def test_lm_evals_boxed_score_is_the_projects_verifier_on_the_same_generations(small_run: Path):
+    """heldout_boxed (regex filter on the last \\boxed{}, exact_match) and the rows' own verifier
+    (numeric, extract: boxed) score every logged generation the same."""
+    from alignpipe.rewards.verifiers import score_completion
+
+    result = small_run / "results" / "benchmark" / "rlvr"
+    records = [
+        json.loads(line) for line in (result / "samples" / "heldout_boxed.jsonl").read_text().splitlines()
+    ]
+    assert len(records) == 16 and all(r["doc"].get("extract") == "boxed" for r in records)
+    assert [score_completion(r["doc"], r["resps"][0][0]) for r in records] == [
+        r["scores"]["exact_match"] for r in records
+    ]
+    tasks = json.loads((result / "metrics.json").read_text())["tasks"]
+    assert (
+        set(tasks) == {"heldout_boxed", "preference_choice"} and tasks["preference_choice"]["samples"] == 16
+    )
