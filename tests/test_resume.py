@@ -1,13 +1,18 @@
 """Exact resume for every trainer stage: SIGKILL after its first or after its last scratch
-checkpoint, then a re-run, ends with weights bit-identical to an uninterrupted run's.
+checkpoint, then a re-run, publishes ``models/<stage>`` and ``results/<stage>`` byte-identical
+to an uninterrupted run's: weights, manifest, samples, metrics.json and every curve, so
+``dvc.lock`` does not change.
 
-The last checkpoint matters on its own: transformers' loop, resumed at ``max_steps``, takes
-one step too many, so a run killed between its final checkpoint and publishing would end
-one step past a straight run.
+The settings put a checkpoint between two logging steps and a validation on the last step,
+which is where resumes went wrong: transformers' loss (and TRL's metrics) average over the
+steps since the last log, and a resume starts that window afresh; a run killed after its
+final checkpoint validated its last step a second time. And the last checkpoint matters on
+its own: transformers' loop, resumed at ``max_steps``, takes one step too many.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import shutil
@@ -18,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from alignpipe.artifacts import md5_file
+from alignpipe.artifacts import dvc_hash, md5_file
 from tests.conftest import OFFLINE, run_cli, set_params, set_writable, writable_copy
 
 pytestmark = pytest.mark.slow
@@ -28,32 +33,56 @@ GRPO = {
     "policy": {"train_global_batch_size": 32, "train_micro_batch_size": 32},
     "checkpointing": {"save_period": 2},
 }
-# Short runs with two checkpoints each; the weights file each stage publishes.
+# 20 steps, logged and validated every 10 (val_period sets the logging period), checkpoints
+# at 15 (mid-window) and 20 (the last step, which is also validated).
+SHORT = {"max_num_steps": 20, "val_period": 10, "val_at_start": True}
 SETTINGS = {
-    "sft": ({"sft": {"max_num_steps": 20}, "checkpointing": {"save_period": 10}}, "models/sft"),
-    "rm": ({"rm": {"max_num_steps": 20}, "checkpointing": {"save_period": 10}}, "models/rm"),
-    "dpo": ({"dpo": {"max_num_steps": 20}, "checkpointing": {"save_period": 10}}, "models/dpo"),
-    "rlvr": (GRPO, "models/rlvr"),
-    "rlhf": (GRPO, "models/rlhf"),
+    "sft": {"sft": SHORT, "checkpointing": {"save_period": 15}},
+    "rm": {"rm": SHORT, "checkpointing": {"save_period": 15}},
+    "dpo": {"dpo": SHORT, "checkpointing": {"save_period": 15}},
+    "rlvr": GRPO,
+    "rlhf": GRPO,
 }
+KILL_POINTS = ("first", "last")
 
 
 @pytest.fixture(scope="module")
 def with_rm(trained_sft: Path, tmp_path_factory) -> Path:
     """The shared SFT repo plus a briefly trained reward model (rlhf's input)."""
     root = writable_copy(trained_sft, tmp_path_factory.mktemp("resume") / "repo")
-    set_params(root, {"rm": SETTINGS["rm"][0]})
+    set_params(root, {"rm": SETTINGS["rm"]})
     run_cli(root, "run", "rm", env={"ALIGNPIPE_SCRATCH": str(root.parent / "scratch")})
     set_writable(root, False)
     return root
+
+
+@pytest.fixture(scope="module")
+def straight_run(trained_sft, with_rm, tmp_path_factory):
+    """``straight_run(stage)``: the repo of an uninterrupted run of ``stage``, run once per module."""
+    runs: dict[str, Path] = {}
+
+    def get(stage: str) -> Path:
+        if stage not in runs:
+            root, env = _copy(
+                _source(stage, trained_sft, with_rm), tmp_path_factory.mktemp(f"straight_{stage}"), stage
+            )
+            run_cli(root, "run", stage, env=env)
+            runs[stage] = root
+        return runs[stage]
+
+    return get
+
+
+def _source(stage: str, trained_sft: Path, with_rm: Path) -> Path:
+    return with_rm if stage == "rlhf" else trained_sft
 
 
 def _copy(src: Path, dst: Path, stage: str) -> tuple[Path, dict[str, str]]:
     root = writable_copy(src, dst / "repo")
     for out in (root / "models" / stage, root / "results" / stage):
         shutil.rmtree(out, ignore_errors=True)
-    set_params(root, {stage: SETTINGS[stage][0]})
-    return root, {"ALIGNPIPE_SCRATCH": str(dst / "scratch")}
+    set_params(root, {stage: SETTINGS[stage]})
+    return root, {"ALIGNPIPE_SCRATCH": str(dst / "scratch")}  # this run's own: no stale checkpoints
 
 
 def _kill_at_checkpoint(root: Path, stage: str, env: dict[str, str], which: str) -> None:
@@ -88,27 +117,60 @@ def _kill_at_checkpoint(root: Path, stage: str, env: dict[str, str], which: str)
     assert not (root / "models" / stage).exists(), "a killed run must not publish"
 
 
+@pytest.mark.parametrize("which", KILL_POINTS)
 @pytest.mark.parametrize("stage", list(SETTINGS))
-def test_killed_stage_resumes_to_the_uninterrupted_weights(stage, trained_sft, with_rm, tmp_path):
-    src = with_rm if stage == "rlhf" else trained_sft
-    straight, env = _copy(src, tmp_path / "straight", stage)
-    run_cli(straight, "run", stage, env=env)
-    weights = SETTINGS[stage][1] + "/model.safetensors"
-    expected = md5_file(straight / weights)
+def test_killed_stage_resumes_to_the_uninterrupted_outputs(
+    stage, which, straight_run, trained_sft, with_rm, tmp_path
+):
+    straight = straight_run(stage)
+    root, env = _copy(_source(stage, trained_sft, with_rm), tmp_path, stage)
+    _kill_at_checkpoint(root, stage, env, which)
+    resumed = run_cli(root, "run", stage, env=env)
+    assert "resuming from" in resumed.stdout, resumed.stdout
 
-    for which in ("first", "last"):
-        root, env = _copy(src, tmp_path / which, stage)
-        _kill_at_checkpoint(root, stage, env, which)
-        resumed = run_cli(root, "run", stage, env=env)
-        assert "resuming from" in resumed.stdout, resumed.stdout
-        assert md5_file(root / weights) == expected, f"{stage} resumed after its {which} checkpoint differs"
-        assert _results(root, stage) == _results(straight, stage), f"{stage}: metrics or curves differ"
-        assert not list(Path(env["ALIGNPIPE_SCRATCH"]).glob(f"repo/{stage}/*")), (
-            "scratch is removed after publishing"
+    for out in (f"models/{stage}", f"results/{stage}"):
+        differences = _differences(straight / out, root / out)
+        assert not differences, (
+            f"{stage} killed after its {which} checkpoint, then resumed: {out} differs from an "
+            "uninterrupted run's\n" + "\n".join(differences)
         )
+        assert dvc_hash(root / out) == dvc_hash(straight / out)  # what dvc.lock records
+    assert not list(Path(env["ALIGNPIPE_SCRATCH"]).glob(f"repo/{stage}/*")), (
+        "scratch is removed after publishing"
+    )
 
 
-def _results(root: Path, stage: str) -> dict[str, str]:
-    """metrics.json and every curve (DVCLive TSV) the stage published, by relative path."""
-    results = root / "results" / stage
-    return {str(f.relative_to(results)): f.read_text() for f in sorted(results.rglob("*")) if f.is_file()}
+def _differences(expected: Path, actual: Path, context_lines: int = 2, max_lines: int = 40) -> list[str]:
+    """Every file that is missing, extra or not byte-identical under two output dirs, with a
+    unified diff for text files (md5 and size for binary ones)."""
+    files = {p.relative_to(d).as_posix() for d in (expected, actual) for p in d.rglob("*") if p.is_file()}
+    out = []
+    for rel in sorted(files):
+        a, b = expected / rel, actual / rel
+        if not b.is_file() or not a.is_file():
+            out.append(f"{rel}: only in the {'uninterrupted' if a.is_file() else 'resumed'} run")
+            continue
+        if a.read_bytes() == b.read_bytes():
+            continue
+        try:
+            diff = list(
+                difflib.unified_diff(
+                    a.read_text().splitlines(),
+                    b.read_text().splitlines(),
+                    "uninterrupted/" + rel,
+                    "resumed/" + rel,
+                    n=context_lines,
+                    lineterm="",
+                )
+            )
+        except UnicodeDecodeError:
+            out.append(
+                f"{rel}: binary, uninterrupted md5 {md5_file(a)} ({a.stat().st_size} B), "
+                f"resumed md5 {md5_file(b)} ({b.stat().st_size} B)"
+            )
+            continue
+        out.extend(
+            diff[:max_lines]
+            + ([f"... {len(diff) - max_lines} more diff lines"] if len(diff) > max_lines else [])
+        )
+    return out

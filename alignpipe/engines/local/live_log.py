@@ -64,6 +64,10 @@ def log_to_live(live, rename: dict[str, str], logs: dict[str, Any], step: int) -
         live.make_summary()
 
 
+# Marks the log_history entries ValidationCallback wrote (kept in checkpoints' trainer_state.json).
+VALIDATED = "alignpipe_validation"
+
+
 def make_validation_callback(
     live,
     rename: dict[str, str],
@@ -77,13 +81,12 @@ def make_validation_callback(
     For metrics the stage defines itself rather than reading TRL's log keys. Results go
     to DVCLive (through ``rename``) and into the trainer's ``log_history``, so they are
     saved in checkpoints and ``replay_history`` restores them after a resume. The
-    callback's ``run(model, state)`` evaluates on demand (e.g. once more after training).
+    callback's ``run(model, state)`` evaluates on demand (e.g. once more after training);
+    ``ran_at(state)`` says whether the current step already was.
     """
     from transformers import TrainerCallback
 
     class ValidationCallback(TrainerCallback):
-        last_step = -1
-
         def run(self, model, state) -> dict[str, float]:
             was_training = model.training
             model.eval()
@@ -91,10 +94,14 @@ def make_validation_callback(
                 logs = evaluate(model)
             finally:
                 model.train(was_training)
-            state.log_history.append({**logs, "step": state.global_step})
+            state.log_history.append({**logs, "step": state.global_step, VALIDATED: True})
             log_to_live(live, rename, logs, state.global_step)
-            self.last_step = state.global_step
             return logs
+
+        def ran_at(self, state) -> bool:
+            """Whether ``state``'s step is validated already, by this process or, after a
+            resume, by the run that wrote the checkpoint (its ``log_history`` says so)."""
+            return any(e.get(VALIDATED) and e.get("step") == state.global_step for e in state.log_history)
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             if at_start and state.global_step == 0 and model is not None:

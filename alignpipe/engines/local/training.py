@@ -237,17 +237,38 @@ def train_resumable(ctx: StageContext, trainer, live, rename: dict[str, str]) ->
 
     DVC deletes a stage's outputs before re-running it, so checkpoints live in
     ``ctx.scratch_dir``; after a resume the DVCLive curves are replayed from the
-    checkpoint's trainer_state so they stay whole.
+    checkpoint's trainer_state so they stay whole, and come out byte-identical to an
+    uninterrupted run's (``log_at_checkpoints``; tests/test_resume.py).
     """
     show_progress(ctx, trainer)
     use_nemo_rl_schedule(trainer, ctx.config, f"stages/{ctx.name}/config/{ctx.profile}.yaml")
+    trainer.add_callback(log_at_checkpoints())
     resume = latest_checkpoint(ctx.scratch_dir)
     if resume is not None:
         print(f"{ctx.name}: resuming from {resume}")
         replay_history(live, rename, resume)
         if restore_finished_run(trainer, resume):
             return
+        trainer.args.eval_on_start = False  # step 0's validation is in the replayed history
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+
+
+def log_at_checkpoints():
+    """A callback that logs at every checkpoint step as well as every ``logging_steps``.
+
+    transformers' ``loss`` (and TRL's averaged metrics) cover the steps since the last log,
+    and a resumed run starts that window at its checkpoint: with a checkpoint between two
+    logging steps, the next log would average fewer steps than an uninterrupted run's. Logging
+    at each checkpoint closes the window there in both runs, so their curves are the same.
+    """
+    from transformers import TrainerCallback
+
+    class LogAtCheckpoints(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if control.should_save:
+                control.should_log = True
+
+    return LogAtCheckpoints()
 
 
 # Trainer log keys shown on the progress bar, under short names.
@@ -289,8 +310,11 @@ def train_then_validate(
     """``train_resumable``, then one last validation (``<algo>.val_at_end``) unless the last
     step already ran one; returns the trained model."""
     train_resumable(ctx, trainer, live, rename)
-    last = trainer.state.global_step
-    if has_validation and get_path(ctx.config, f"{algo}.val_at_end", True) and validation.last_step != last:
+    if (
+        has_validation
+        and get_path(ctx.config, f"{algo}.val_at_end", True)
+        and not validation.ran_at(trainer.state)
+    ):
         validation.run(trainer.model, trainer.state)
     return trainer.model
 
