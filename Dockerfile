@@ -35,7 +35,8 @@ RUN uv pip install --no-cache --python /opt/nemo_rl_venv/bin/python \
         "/opt/alignpipe[nemo_rl]" \
     && /opt/nemo_rl_venv/bin/alignpipe --help > /dev/null \
     && /opt/nemo_rl_venv/bin/dvc --version \
-    && /opt/nemo_rl_venv/bin/python -c "import alignpipe.engines.nemo_rl.environment as e; assert e.HAVE_NEMO_RL"
+    && /opt/nemo_rl_venv/bin/python -c "import alignpipe.engines.nemo_rl.environment as e; assert e.HAVE_NEMO_RL" \
+    && /opt/nemo_rl_venv/bin/python -c "import lm_eval.models.vllm_causallms"
 
 # Stages run with cwd = the repository (the launcher's -w); NeMo-RL entry scripts run
 # from here. No USER: the launcher passes --user $(id -u):$(id -g) so outputs belong to

@@ -65,6 +65,8 @@ def run_stage(
         console.header(label, ctx.engine, ctx.profile, get_path(ctx.config, "policy.model_name", None))
     if inner or ctx.launcher == "process":
         check_running_code(root)
+        if inner:  # a stage that hands work to a launcher must not do it again from inside it
+            os.environ["ALIGNPIPE_INNER"] = "1"
         if ctx.engine == "local":
             set_cpu_env()
         console.quiet_libraries(console.raw_log_path(root, label))

@@ -8,6 +8,7 @@ give lm-eval's own number.
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 from pathlib import Path
@@ -15,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from alignpipe.rewards.verifiers import score_completion
-from tests.conftest import run_cli, set_params, writable_copy
+from tests.conftest import REPO, run_cli, set_params, writable_copy
 
 TASKS = "stages/benchmark/tasks"
+REPO_TASKS = REPO / TASKS
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +181,61 @@ def test_another_harness_version_is_refused(bench_copy: Path) -> None:
         bench_copy,
         "benchmark.lm_eval_version (stages/benchmark/config/<profile>.yaml) is 0.4.9, but lm-eval 0.4.13",
     )
+
+
+# ----------------------------------------------------------------------------- GPU profiles
+
+
+def lm_eval_vllm_class() -> ast.ClassDef:
+    """lm-eval's own VLLM backend class, read from its source (importing it needs vLLM)."""
+    import lm_eval
+
+    source = Path(lm_eval.__file__).parent / "models" / "vllm_causallms.py"
+    tree = ast.parse(source.read_text())
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "VLLM")
+
+
+@pytest.mark.parametrize("profile", ["default", "default_megatron", "nemo_gym"])
+def test_the_gpu_invocation_is_what_lm_evals_vllm_backend_and_registry_take(
+    repo_copy: Path, profile: str
+) -> None:
+    from lm_eval.tasks import TaskManager
+
+    from alignpipe.engines.local.benchmark import VLLM_KEYS
+
+    out = repo_copy / "plan"
+    run_cli(repo_copy, "plan", "benchmark", "--source", "rlhf", "--profile", profile, "--write", str(out))
+    call = json.loads((out / "benchmark@rlhf.lm_eval.json").read_text())
+    assert call["model"] == "vllm" and call["model_args"]["pretrained"] == str(repo_copy / "exports" / "rlhf")
+
+    cls = lm_eval_vllm_class()
+    assert any(
+        isinstance(d, ast.Call) and d.args[0].value == "vllm" for d in cls.decorator_list
+    )  # @register_model("vllm")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    named = {a.arg for a in init.args.args + init.args.kwonlyargs}
+    # What VLLM does not name goes on to vllm.LLM (``self.model_args.update(kwargs)``).
+    assert init.args.kwarg is not None and "self.model_args.update(kwargs)" in ast.unparse(init)
+    assert set(call["model_args"]) - named <= {"gpu_memory_utilization"} and set(VLLM_KEYS) - named <= {
+        "gpu_memory_utilization"
+    }
+    # Every task resolves in lm-eval's registry over the repository's task folder.
+    registry = TaskManager(include_path=str(REPO_TASKS), include_defaults=False).all_tasks
+    assert {t["name"] for t in call["tasks"]} <= set(registry)
+
+    # The inner run goes to the pinned image through the container launcher, GPUs attached.
+    launch = (out / "benchmark@rlhf.launch.sh").read_text().splitlines()[-1]
+    assert launch.startswith("docker run --rm --init") and "--gpus all" in launch
+    assert launch.endswith(
+        f"alignpipe-nemo-rl:v0.7.0 alignpipe run benchmark --inner --profile {profile} --source rlhf"
+    )
+
+
+def test_vllm_without_a_launcher_to_reach_it_is_refused(trained_sft: Path, tmp_path: Path) -> None:
+    root = writable_copy(trained_sft, tmp_path / "repo")
+    set_params(root, {"benchmark": {"alignpipe": {"benchmark": {"backend": "vllm"}}}})
+    result = run_cli(root, "run", "benchmark", "--source", "sft", check=False)
+    assert result.returncode == 2 and "is vllm, but vLLM is not installed here" in result.stderr
+    result = run_cli(root, "run", "benchmark", "--source", "sft", "--inner", check=False)
+    assert result.returncode == 2 and "runtime.image must be the pipeline's NeMo-RL image" in result.stderr
+    assert not (root / "results" / "benchmark" / "sft").exists()

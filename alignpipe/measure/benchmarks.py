@@ -75,9 +75,10 @@ def check_data_files(root: Path, path: Path, doc: dict[str, Any]) -> None:
                 )
 
 
-def benchmark_tasks(root: Path, section: dict[str, Any]) -> list[BenchmarkTask]:
-    """The configured tasks, each checked: a known name, a readable YAML, existing data files,
-    and for builtin tasks, downloads allowed."""
+def benchmark_tasks(root: Path, section: dict[str, Any], *, data: bool = True) -> list[BenchmarkTask]:
+    """The configured tasks, each checked: a known name, a readable YAML, existing data files
+    (unless ``data`` is false: planning needs no prepared data), and for builtin tasks,
+    downloads allowed."""
     entries = section.get("tasks") or []
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"{where('tasks')} must be a non-empty list of tasks ({{name: ..., limit: ...}})")
@@ -103,7 +104,8 @@ def benchmark_tasks(root: Path, section: dict[str, Any]) -> list[BenchmarkTask]:
                 raise ConfigError(
                     f"{root / path}: its task is {doc.get('task')!r}, but {where(f'tasks[{i}]')} names {name!r}"
                 )
-            check_data_files(root, root / path, doc)
+            if data:
+                check_data_files(root, root / path, doc)
             yaml_path: Path | None = root / path
         else:
             if builtin_names is None:

@@ -7,6 +7,11 @@ and handed to lm-eval's ``hf`` backend (``HFLM``); each configured task
 few-shot, limit and chat settings, seeded from the pipeline seed, and with the system prompt
 the policy was trained with.
 
+``backend: vllm`` (the GPU profiles) uses lm-eval's ``vllm`` backend instead, where vLLM is: in
+the pinned NeMo-RL image. On a host without vLLM the stage checks its tasks, then hands
+``alignpipe run benchmark --source X --inner`` to the launcher the NeMo-RL engine uses
+(container, Slurm or Ray), as convert does with NeMo-RL's converter.
+
 Outputs (``results/benchmark/<policy>``, fixed names so DVC caches them; lm-eval's own
 output files carry timestamps): ``metrics.json`` (``{"tasks": {task: {metric: value}}}``,
 shown by ``dvc metrics show`` / ``dvc exp show``) and ``samples/<task>.jsonl``, lm-eval's
@@ -15,8 +20,10 @@ per-sample log (prompt, raw and filtered response, target, score).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +33,7 @@ from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import training
 from alignpipe.engines.local.publish import write_record
-from alignpipe.errors import ConfigError
+from alignpipe.errors import AlignpipeError, ConfigError
 from alignpipe.measure.benchmarks import BenchmarkTask, benchmark_tasks, score_names, where
 from alignpipe.measure.generation import model_system_prompt
 from alignpipe.measure.logprobs import load_policy
@@ -55,6 +62,103 @@ def check_chat_template(tasks: list[BenchmarkTask], tokenizer, policy_dir: Path)
         )
 
 
+BACKENDS = ("hf", "vllm")
+# lm-eval's VLLM arguments a profile may set (alignpipe.benchmark.vllm); gpu_memory_utilization
+# is handed on to vllm.LLM. tests/test_benchmark.py checks them against lm-eval's own class.
+VLLM_KEYS = ("dtype", "tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "max_model_len",
+             "max_gen_toks")  # fmt: skip
+
+
+def backend_of(section: dict[str, Any]) -> str:
+    backend = str(section.get("backend", "hf"))
+    if backend not in BACKENDS:
+        raise ConfigError(f"{where('backend')} is {backend!r}; expected one of {', '.join(BACKENDS)}")
+    return backend
+
+
+def vllm_model_args(section: dict[str, Any], policy_dir: Path, seed: int) -> dict[str, Any]:
+    """lm-eval's ``VLLM(**model_args)`` for the policy: the profile's settings, seeded."""
+    settings = dict(section.get("vllm") or {})
+    unknown = sorted(set(settings) - set(VLLM_KEYS))
+    if unknown:
+        raise ConfigError(f"{where('vllm')}: unknown keys {unknown}; known: {list(VLLM_KEYS)}")
+    return {
+        "pretrained": str(policy_dir),
+        "seed": seed,
+        **{k: v for k, v in settings.items() if v is not None},
+    }
+
+
+def make_lm(backend: str, section: dict[str, Any], policy_dir: Path, seed: int):
+    """The lm-eval model: HFLM on the loaded policy (CPU), or VLLM on its directory (GPU)."""
+    if backend == "vllm":
+        from lm_eval.models.vllm_causallms import VLLM
+
+        return VLLM(**vllm_model_args(section, policy_dir, seed), batch_size="auto")
+    from lm_eval.models.huggingface import HFLM
+
+    model, tokenizer = load_policy(policy_dir)
+    return HFLM(
+        pretrained=model, tokenizer=tokenizer, batch_size=int(section.get("batch_size", 32)), device="cpu"
+    )
+
+
+def hand_over(ctx: StageContext) -> None:
+    """Run this stage where vLLM is: the NeMo-RL engine's launcher, with ``--inner``."""
+    from alignpipe.context import OFFLINE_ENV, inner_argv
+    from alignpipe.launch import get_launcher
+    from alignpipe.launch.base import forwarded_env
+
+    if os.environ.get("ALIGNPIPE_INNER"):
+        raise ConfigError(
+            f"{where('backend')} is vllm, but vLLM is not installed where the launcher ran this stage: "
+            f"runtime.image must be the pipeline's NeMo-RL image (docs/GPU.md §2), which has vLLM"
+        )
+    if ctx.nemo_rl_launcher in (None, "process"):
+        raise ConfigError(
+            f"{where('backend')} is vllm, but vLLM is not installed here and runtime.engine="
+            f"{ctx.runtime['engine']} / runtime.launcher={ctx.runtime['launcher']} gives no container to run "
+            "it in; use backend: hf, or a GPU profile's launcher (container, slurm or ray)"
+        )
+    launcher = get_launcher(ctx.nemo_rl_launcher, ctx.runtime, ctx.params)
+    env = {**forwarded_env(), **OFFLINE_ENV, "ALIGNPIPE_ROOT": str(ctx.root)}
+    code = launcher.run(inner_argv(ctx), stage=f"{ctx.name}@{ctx.source}", workdir=ctx.root, env=env)
+    if code != 0:
+        raise AlignpipeError(
+            f"benchmark@{ctx.source} failed on the {ctx.nemo_rl_launcher} launcher (exit {code})"
+        )
+    launcher.check_outputs([ctx.output("results")])
+
+
+def plan(ctx: StageContext) -> dict[str, str]:
+    """``alignpipe plan benchmark --source X``: the config, the lm-eval call and, for vllm on a
+    host without it, the exact launch of the inner run."""
+    from alignpipe.context import inner_argv
+    from alignpipe.launch import get_launcher
+    from alignpipe.launch.base import shell_join
+
+    section = dict(get_path(ctx.config, "alignpipe.benchmark", {}) or {})
+    backend = backend_of(section)
+    policy_dir = ctx.input("policy")
+    call = {
+        "model": backend,
+        "model_args": vllm_model_args(section, policy_dir, ctx.seed) if backend == "vllm" else {"pretrained": str(policy_dir)},
+        "tasks": [{**asdict(t), "yaml": str(t.yaml) if t.yaml else None} for t in benchmark_tasks(ctx.root, section, data=False)],
+    }  # fmt: skip
+    label = f"{ctx.name}@{ctx.source}"
+    files = {
+        f"{label}.config.yaml": ctx.resolved_config_yaml(),
+        f"{label}.lm_eval.json": json.dumps(call, indent=2) + "\n",
+    }
+    if backend == "vllm" and ctx.nemo_rl_launcher not in (None, "process"):
+        argv = get_launcher(ctx.nemo_rl_launcher, ctx.runtime, ctx.params).command(
+            inner_argv(ctx), stage=label, workdir=ctx.root
+        )
+        files[f"{label}.launch.sh"] = (f"#!/usr/bin/env bash\n# {label} via the {ctx.nemo_rl_launcher} launcher (vLLM is in the image)\n"
+                                       f"set -euo pipefail\ncd {ctx.root}\n{shell_join(argv)}\n")  # fmt: skip
+    return files
+
+
 def plain(value: Any) -> Any:
     """numpy scalars in lm-eval's sample records -> JSON."""
     if hasattr(value, "item"):
@@ -77,6 +181,7 @@ def run(ctx: StageContext) -> None:
     import torch
 
     section = dict(get_path(ctx.config, "alignpipe.benchmark", {}) or {})
+    backend = backend_of(section)
     harness = check_harness(section)
     tasks = benchmark_tasks(ctx.root, section)
     if section.get("download") and any(t.builtin for t in tasks):
@@ -89,15 +194,12 @@ def run(ctx: StageContext) -> None:
 
     check_chat_template(tasks, AutoTokenizer.from_pretrained(policy_dir, local_files_only=True), policy_dir)
 
-    os.environ.setdefault("TQDM_DISABLE", "1")  # lm-eval's per-request bars: one line per task instead
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        return hand_over(ctx)
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    model, tokenizer = load_policy(policy_dir)
-    lm = HFLM(
-        pretrained=model, tokenizer=tokenizer, batch_size=int(section.get("batch_size", 32)), device="cpu"
-    )
+    lm = make_lm(backend, section, policy_dir, int(ctx.seed))
     local_dirs = sorted({str(t.yaml.parent) for t in tasks if not t.builtin})
     manager = TaskManager(include_path=local_dirs or None, include_defaults=any(t.builtin for t in tasks))
     system = model_system_prompt(policy_dir)
@@ -122,7 +224,7 @@ def run(ctx: StageContext) -> None:
             flush=True,
         )
 
-    metrics = {"policy": ctx.source, "path": str(policy_dir.relative_to(ctx.root)), "lm_eval": harness,
+    metrics = {"policy": ctx.source, "path": str(policy_dir.relative_to(ctx.root)), "lm_eval": harness, "backend": backend,
                "system_prompt": system is not None, "tasks": scores}  # fmt: skip
     with staged_dir(ctx.output("results")) as out_dir:
         write_json_atomic(out_dir / "metrics.json", metrics)
