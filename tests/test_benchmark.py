@@ -55,6 +55,19 @@ def test_scores_are_published_per_policy_and_sft_learned(benchmarked: Path) -> N
     assert manifest["type"] == "report" and manifest["inputs"]["policy"]["path"].endswith("models/sft")
 
 
+def test_dvc_metrics_show_has_every_benchmarked_policys_scores(benchmarked: Path) -> None:
+    import subprocess
+
+    proc = subprocess.run(
+        ["dvc", "metrics", "show", "--json"], cwd=benchmarked, capture_output=True, text=True
+    )
+    shown = json.loads(proc.stdout[proc.stdout.index("{") :])[""]["data"]
+    for policy in ("base", "sft"):
+        data = shown[f"results/benchmark/{policy}/metrics.json"]["data"]
+        assert data["tasks"] == read(benchmarked, policy)["tasks"]
+        assert 0 <= data["tasks"]["preference_choice"]["acc"] <= 1
+
+
 def test_the_projects_verifier_agrees_with_lm_evals_metric_on_its_logged_generations(
     benchmarked: Path,
 ) -> None:
