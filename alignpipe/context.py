@@ -179,8 +179,14 @@ class StageContext:
 
     @functools.cached_property
     def run_key(self) -> str:
-        """Identifies this exact run: resolved config plus input content."""
-        return C.config_hash({"config": self.config, "inputs": self.input_hashes, "engine": self.engine})[:16]
+        """Identifies this exact run: resolved config, input content and the code's sources, so a
+        checkpoint left by a killed run is resumed only by the code that wrote it."""
+        from alignpipe.artifacts import package_hash
+
+        code = package_hash(Path(__file__).resolve().parent)
+        return C.config_hash(
+            {"config": self.config, "inputs": self.input_hashes, "engine": self.engine, "code": code}
+        )[:16]
 
     @property
     def scratch_dir(self) -> Path:

@@ -174,3 +174,26 @@ def _differences(expected: Path, actual: Path, context_lines: int = 2, max_lines
             + ([f"... {len(diff) - max_lines} more diff lines"] if len(diff) > max_lines else [])
         )
     return out
+
+
+def test_a_checkpoint_is_resumed_only_by_the_code_that_wrote_it(tmp_path: Path) -> None:
+    """The scratch directory (what a re-run resumes from) is keyed by the code's sources too:
+    after an edit to the package, a killed run's checkpoints are not resumed by other code."""
+    import subprocess
+    import sys
+
+    from tests.conftest import copy_repo
+
+    def key(root: Path) -> str:
+        probe = "from pathlib import Path; from alignpipe.context import build_context; "
+        probe += f"print(build_context(Path({str(root)!r}), 'sft').run_key)"
+        env = {**os.environ, "PYTHONPATH": str(root)}  # run this copy's alignpipe
+        return subprocess.run([sys.executable, "-c", probe], env=env, cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+
+    same, edited = copy_repo(tmp_path / "same"), copy_repo(tmp_path / "edited")
+    assert key(same) == key(copy_repo(tmp_path / "again"))
+    (edited / "alignpipe" / "jsonl.py").write_text(
+        (edited / "alignpipe" / "jsonl.py").read_text() + "\n# edited\n"
+    )
+    assert key(edited) != key(same)
