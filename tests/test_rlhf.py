@@ -108,7 +108,14 @@ def test_evaluate_reuses_what_rlhf_and_rm_measured_and_it_equals_measuring_again
     run_cli(root, "run", "convert", "--source", "rlhf")
     policies = [{"name": "sft", "path": "models/sft"}, {"name": "rlhf", "path": "exports/rlhf"}]
     set_params(
-        root, {"evaluate": {"alignpipe": {"evaluate": {"policies": policies, "reward_model": "models/rm"}}}}
+        root,
+        {
+            "evaluate": {
+                "alignpipe": {
+                    "evaluate": {"policies": policies, "reward_model": "models/rm", "benchmarks": None}
+                }
+            }
+        },
     )
 
     def evaluate() -> tuple[str, dict]:
