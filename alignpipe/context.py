@@ -44,6 +44,23 @@ def set_offline_env() -> None:
         os.environ.setdefault(k, v)
 
 
+def lift_offline_env() -> None:
+    """The one exception to ``set_offline_env``: a stage whose knob allows downloads (base's
+    ``model.download``, benchmark's ``download``) lets huggingface_hub and datasets reach the Hub.
+    Both read the variables once, at import, so modules already imported are told as well."""
+    import sys
+
+    for name in OFFLINE_ENV:
+        if name.endswith("_OFFLINE"):
+            os.environ.pop(name, None)
+    hub = sys.modules.get("huggingface_hub.constants")
+    if hub is not None:
+        hub.HF_HUB_OFFLINE = False
+    datasets = sys.modules.get("datasets.config")
+    if datasets is not None:
+        datasets.HF_HUB_OFFLINE = datasets.HF_DATASETS_OFFLINE = False
+
+
 def set_cpu_env() -> None:
     """Before torch is imported: ``CPU_ENV``, unless the user set those variables."""
     for k, v in CPU_ENV.items():

@@ -14,9 +14,7 @@ and no other stage touches the Hub.
 from __future__ import annotations
 
 import fnmatch
-import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +28,6 @@ SKIP = {"optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json", "
 # What base never takes from a Hub snapshot: other weight formats (safetensors is what every
 # stage and both engines load) and hidden entries.
 HUB_SKIP = ["*.pt", "*.pth", "*.bin", "*.msgpack", "*.h5", "*.onnx*", "*.gguf", ".*"]
-# The variables that keep huggingface_hub offline (alignpipe.context.OFFLINE_ENV sets them).
-HUB_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 @dataclass(frozen=True)
@@ -111,15 +107,6 @@ def hub_cache() -> str:
     from huggingface_hub import constants
 
     return constants.HF_HUB_CACHE
-
-
-def lift_offline_env() -> None:
-    """Let huggingface_hub reach the Hub from this process (base with model.download=true only)."""
-    for name in HUB_OFFLINE_VARS:
-        os.environ.pop(name, None)
-    constants = sys.modules.get("huggingface_hub.constants")
-    if constants is not None:  # it reads the variables once, at import
-        constants.HF_HUB_OFFLINE = False
 
 
 def snapshot(source: ModelSource) -> Path:

@@ -14,7 +14,7 @@ from pathlib import Path
 from alignpipe import console, tiny
 from alignpipe import starting_model as SM
 from alignpipe.artifacts import staged_dir
-from alignpipe.context import StageContext
+from alignpipe.context import StageContext, lift_offline_env
 from alignpipe.engines.local import publish
 from alignpipe.errors import ConfigError
 
@@ -44,7 +44,7 @@ def run(ctx: StageContext) -> None:
     source = SM.model_source(ctx.params)
     if source.kind == "hub" and source.download:
         # Every stage runs offline (alignpipe.context.OFFLINE_ENV); this fetch is the one exception.
-        SM.lift_offline_env()
+        lift_offline_env()
         print(f"base: model.download=true: fetching {source.name} (revision {source.revision or 'main'}) "
               f"from the Hugging Face Hub into {SM.hub_cache()}; offline mode lifted for this stage",
               flush=True)  # fmt: skip

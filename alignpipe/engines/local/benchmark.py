@@ -30,7 +30,7 @@ from typing import Any
 from alignpipe import console
 from alignpipe.artifacts import staged_dir, write_json_atomic, write_text_atomic
 from alignpipe.config import get_path
-from alignpipe.context import StageContext
+from alignpipe.context import StageContext, lift_offline_env
 from alignpipe.engines.local import training
 from alignpipe.engines.local.publish import write_record
 from alignpipe.errors import AlignpipeError, ConfigError
@@ -185,8 +185,7 @@ def run(ctx: StageContext) -> None:
     harness = check_harness(section)
     tasks = benchmark_tasks(ctx.root, section)
     if section.get("download") and any(t.builtin for t in tasks):
-        for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-            os.environ.pop(name, None)  # builtin tasks read the Hub (datasets reads these at import)
+        lift_offline_env()  # builtin tasks read their data from the Hub
         print("benchmark: download=true: lm-eval's builtin tasks may fetch data from the Hugging Face Hub")
     policy_dir = ctx.input("policy")
     training.apply_torch_threads(ctx)
