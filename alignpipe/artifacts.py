@@ -20,8 +20,16 @@ from typing import Any
 MANIFEST = "artifact.json"
 RESOLVED_CONFIG = "resolved_config.yaml"
 
-# Artifact types, Nemotron steps vocabulary (plus the DVCLive directory).
-ARTIFACT_TYPES = {"training_jsonl", "checkpoint_hf", "checkpoint_megatron", "dvclive", "report"}
+# Artifact types, Nemotron steps vocabulary (plus the DVCLive directory). checkpoint_lora: a PEFT
+# adapter; its manifest's adapter.applies_to names the exact policy (path and hash) it goes on.
+ARTIFACT_TYPES = {
+    "training_jsonl",
+    "checkpoint_hf",
+    "checkpoint_lora",
+    "checkpoint_megatron",
+    "dvclive",
+    "report",
+}
 
 
 def md5_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -69,6 +77,11 @@ def _as_if_created_normally(path: Path | str, directory: bool = False) -> None:
     """mkstemp/mkdtemp create 0600/0700 entries; published artifacts follow the umask like any
     other file, so a shared DVC cache or a teammate can read them."""
     os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+
+
+def shareable(path: Path | str) -> None:
+    """Give a file another library wrote privately the permissions of any published file."""
+    _as_if_created_normally(path)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -160,3 +160,60 @@ def test_plan_check_refuses_a_slurm_allocation_that_disagrees_with_the_stages_cl
     (repo_copy / "params.yaml").write_text(compose_params_text(repo_copy, overrides[:-1]))
     proc = run_cli(repo_copy, "plan", "rlvr", "--check")
     assert "rlvr: valid for nemo_rl.algorithms.grpo.MasterConfig" in proc.stdout
+
+
+# LoRA renders (issue 25): DTensor's lora_cfg (needs the V2 worker) and Megatron's peft.
+LORA_RENDERS = [
+    ("sft", "default", {}),
+    ("rlvr", "default", {}),
+    ("rlhf", "default", {}),
+    ("rlvr", "nemo_gym", {}),
+    ("dpo", "default", {"_v2": True}),
+    ("sft", "default_megatron", "peft"),
+    ("dpo", "default_megatron", "peft"),
+    ("rlvr", "default_megatron", "peft"),
+    ("rlhf", "default_megatron", "peft"),
+]
+
+
+def lora_params(stage: str, profile: str, how) -> dict:
+    params = yaml.safe_load(compose_params_text(REPO.resolve(), [f"profile={profile}"]))
+    policy = params.setdefault(stage, {}).setdefault("policy", {})
+    if how == "peft":
+        policy.setdefault("megatron_cfg", {})["peft"] = {"enabled": True, "dim": 16}
+    else:
+        policy.setdefault("dtensor_cfg", {}).update({"lora_cfg": {"enabled": True, "dim": 16}, **how})
+    return params
+
+
+@pytest.mark.parametrize(("stage", "profile", "how"), LORA_RENDERS, ids=lambda v: str(v))
+def test_lora_renders_pass_nemo_rl(stage, profile, how):
+    """The LoRA config each backend reads reaches NeMo-RL's MasterConfig and entry parser intact."""
+    from alignpipe.engines.nemo_rl.engine import render_for
+
+    ctx = build_context(REPO, stage, profile, params=lora_params(stage, profile, how))
+    cfg = render_for(ctx)
+    key = "megatron_cfg.peft" if how == "peft" else "dtensor_cfg.lora_cfg"
+    section = cfg["policy"]
+    for part in key.split("."):
+        section = section[part]
+    assert section["enabled"] is True and section["dim"] == 16
+    report = preflight.check(ctx, cfg)
+    assert report.ok, report.text()
+
+
+@pytest.mark.parametrize(
+    ("stage", "profile", "how", "message"),
+    [
+        ("dpo", "default", {}, "needs policy.dtensor_cfg._v2: true"),
+        ("sft", "default_megatron", {}, "NeMo-RL reads LoRA from policy.megatron_cfg.peft there"),
+        ("rm", "default", {"_v2": True}, "freezes every base weight under LoRA"),
+        ("sft", "default", {"tensor_parallel_size": 2}, "use_triton=true with tensor_parallel_size=2"),
+    ],
+)
+def test_plan_check_refuses_lora_nemo_rl_would_ignore_or_reject(stage, profile, how, message):
+    params = lora_params(stage, profile, how)
+    if stage == "rm":
+        params["rm"]["policy"]["dtensor_cfg"].pop("_v2")  # rm's profile has no _v2 key: V1 as upstream
+    report = preflight.check(build_context(REPO, stage, profile, params=params))
+    assert not report.ok and any(message in e for e in report.errors), report.text()

@@ -10,6 +10,8 @@ The source's ``artifact.json`` ``format`` picks the path in:
 
 * ``hf`` (local engine) and NeMo-RL's ``hf_consolidated`` (DTensor V2 with
   ``save_consolidated``): already Hugging Face, loaded directly;
+* ``peft`` (a LoRA stage's adapter, ``alignpipe.adapters``): the adapter chain is merged into
+  full weights (peft's ``merge_and_unload``), and verified against the unmerged base + adapter;
 * NeMo-RL's ``dcp`` and ``megatron`` (``torch_dist``): NeMo-RL's own converter
   (``alignpipe.engines.nemo_rl.convert.converter_argv``) writes an HF directory first.
   It needs NeMo-RL, so it runs where NeMo-RL is: in this process's environment when it
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from alignpipe import console
+from alignpipe.adapters import adapter_chain, merge_chain
 from alignpipe.artifacts import (
     MANIFEST,
     RESOLVED_CONFIG,
@@ -45,7 +48,7 @@ from alignpipe.engines.local.publish import write_hf_manifest
 from alignpipe.errors import AlignpipeError, ConfigError
 from alignpipe.measure.heldout import MEASURES_FILE, SAMPLES_FILE
 
-HF_FORMATS = ("hf", "hf_consolidated")
+HF_FORMATS = ("hf", "hf_consolidated", "peft")
 # artifact.json format -> NeMo-RL checkpoint format (alignpipe.engines.nemo_rl.convert). The
 # nemo_rl engine publishes Megatron runs as a step_N copy with format "megatron_bridge".
 NEMO_RL_FORMATS = {"dcp": "dcp", "megatron": "megatron", "megatron_bridge": "megatron"}
@@ -79,7 +82,7 @@ def hf_source(ctx: StageContext, manifest: dict[str, Any], workdir: Path) -> tup
     """(HF model dir, tokenizer dir, converter argv or []) for the source checkpoint."""
     fmt = manifest.get("format", "hf")
     ckpt = checkpoint_dir(ctx, manifest).resolve()
-    if fmt == "hf":
+    if fmt in ("hf", "peft"):
         return ckpt, ckpt, []
     if fmt == "hf_consolidated":
         tokenizer = ckpt / "policy" / "tokenizer"
@@ -360,7 +363,8 @@ def plan(ctx: StageContext) -> dict[str, str]:
 
 
 def run(ctx: StageContext) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from peft import PeftModel
+    from transformers import AutoTokenizer
 
     training.apply_torch_threads(ctx)  # tiny: 1 thread (benchmarks/RESULTS.md)
     export = dict(get_path(ctx.config, "alignpipe.export", {}) or {})
@@ -382,16 +386,18 @@ def run(ctx: StageContext) -> None:
     if argv:
         run_converter(ctx, argv)
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+    # [full checkpoint, adapter, ...]: a LoRA stage's adapter stands for its chain merged.
+    chain = adapter_chain(model_dir, ctx.root)
+    if len(chain) > 1:  # the source is the last adapter, unmerged, on the rest merged
+        model = PeftModel.from_pretrained(merge_chain(chain[:-1], "auto"), chain[-1]).eval()
+    else:
+        model = merge_chain(chain, "auto").eval()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     cast_to = dtype if dtype and str(model.dtype).removeprefix("torch.") != dtype else None
-    # A cast happens in place, so the exported copy is loaded separately: verification
-    # compares against the untouched source weights.
-    exported = (
-        cast(AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True), cast_to)
-        if cast_to
-        else model
-    )
+    # A cast happens in place, and a merge changes the weights, so the exported copy is loaded
+    # separately then: verification compares against the untouched source.
+    separate = cast_to or len(chain) > 1
+    exported = cast(merge_chain(chain, "auto"), cast_to) if separate else model
     final_dtype = str(exported.dtype).removeprefix("torch.")
 
     with staged_dir(ctx.output("export")) as out:
@@ -427,6 +433,8 @@ def run(ctx: StageContext) -> None:
                 "source": {k: manifest.get(k) for k in ("stage", "engine", "format", "image", "inputs")},
                 "dtype": final_dtype,
                 "converter": argv or None,
+                # the adapters merged into this export, the full checkpoint under them first
+                "merged": [str(d.relative_to(ctx.root.resolve())) for d in chain] if len(chain) > 1 else None,
                 "verification": verification,
             },
         )

@@ -35,7 +35,7 @@ from typing import Any
 from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
-from alignpipe.engines.local import live_log, training
+from alignpipe.engines.local import live_log, lora, training
 from alignpipe.errors import UnsupportedSetting
 from alignpipe.measure.heldout import log_heldout, sample_heldout, samples_file
 from alignpipe.measure.logprobs import LOCAL_DTYPE
@@ -221,12 +221,14 @@ def run(ctx: StageContext) -> None:
     # Refuse impossible settings before the (slow) ML imports.
     training.refuse_gpu_only_settings(ctx)
     losses = loss_settings(ctx)
+    lora.lora_settings(ctx)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig
 
     cfg = ctx.config
-    model_path = str(ctx.root / cfg["policy"]["model_name"])
+    # An SFT adapter stands for its base with the adapter merged (adapters.merged_dir).
+    model_path = str(lora.full_policy_dir(ctx, ctx.root / cfg["policy"]["model_name"], LOCAL_DTYPE))
     tokenizer_path = str(ctx.root / get_path(cfg, "policy.tokenizer.name", cfg["policy"]["model_name"]))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
     train_pairs, val_pairs = training.preference_splits(ctx, "dpo", tokenizer)

@@ -25,7 +25,7 @@ from typing import Any
 from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
-from alignpipe.engines.local import live_log, training
+from alignpipe.engines.local import live_log, lora, training
 from alignpipe.errors import ConfigError, NoLearningSignal, UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.generation import prompt_messages
@@ -36,7 +36,7 @@ from alignpipe.measure.heldout import (
     sample_heldout,
     samples_file,
 )
-from alignpipe.measure.logprobs import kl_to_reference, load_policy
+from alignpipe.measure.logprobs import LOCAL_DTYPE, kl_to_reference, load_policy
 from alignpipe.measure.metrics import local_keys
 from alignpipe.rewards.verifiers import ROW_FIELDS
 from alignpipe.timing import record_timing
@@ -438,8 +438,11 @@ def run_grpo(
     refuse_unsupported_grpo(ctx)
     cfg = ctx.config
     training.apply_torch_threads(ctx)  # ~9x less CPU per GRPO step on a busy box (benchmarks/grpo_stages.md)
+    lora.lora_settings(ctx)
     policy_path = str(ctx.input("policy"))
-    model, tokenizer = load_policy(policy_path)
+    # An SFT adapter stands for its base with the adapter merged (adapters.merged_dir).
+    full_path = lora.full_policy_dir(ctx, policy_path, LOCAL_DTYPE)
+    model, tokenizer = load_policy(full_path)
     tokenizer.padding_side = "left"  # TRL generates from left-padded prompts
 
     train_rows = read_jsonl(ctx.root / get_path(cfg, data_key))
@@ -480,7 +483,7 @@ def run_grpo(
     policy.eval()
 
     heldout_started = time.monotonic()
-    reference, _ = load_policy(policy_path)
+    reference, _ = load_policy(full_path)
     # Each policy sampled once: this one now, the SFT reference's samples come with models/sft.
     samples = sample_heldout(ctx, policy, tokenizer)
     ref_samples = sample_heldout(ctx, reference, tokenizer, model_dir=policy_path)

@@ -3,10 +3,11 @@ config, swapped in atomically."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-from alignpipe.artifacts import RESOLVED_CONFIG, staged_dir, write_manifest, write_text_atomic
+from alignpipe.artifacts import RESOLVED_CONFIG, shareable, staged_dir, write_manifest, write_text_atomic
 from alignpipe.context import StageContext
 
 
@@ -21,10 +22,16 @@ def publish_model(
     files: dict[str, str] | None = None,
 ) -> Path:
     """Save an HF directory with its manifest and resolved config, atomically; ``files``: more
-    text files to publish with it (name -> content), e.g. the model's held-out samples."""
+    text files to publish with it (name -> content), e.g. the model's held-out samples.
+
+    A PEFT model is published as its adapter alone (``checkpoint_lora``), its manifest naming the
+    policy it applies to (``adapter.applies_to``: path and content hash)."""
     final = ctx.output(output)
     base = ctx.inputs.get("base_model")
-    if base is not None and (base / "generation_config.json").is_file():
+    adapter = adapter_record(ctx, model)
+    if adapter:
+        extra = {**(extra or {}), "adapter": {**adapter, **(extra or {}).get("adapter", {})}}
+    elif base is not None and (base / "generation_config.json").is_file():
         from transformers import GenerationConfig
 
         # The starting model's, as it came: trainers edit the live one (TRL's GRPO turns
@@ -32,13 +39,46 @@ def publish_model(
         model.generation_config = GenerationConfig.from_pretrained(base, local_files_only=True)
     with staged_dir(final) as out:
         model.save_pretrained(out, safe_serialization=True)
+        if adapter:
+            canonical_adapter(out)
         tokenizer.save_pretrained(out)
         for name, text in (files or {}).items():
             write_text_atomic(out / name, text)
-        write_record(out, ctx, type="checkpoint_hf", format="hf", metrics=metrics, extra=extra,
+        write_record(out, ctx, type="checkpoint_lora" if adapter else "checkpoint_hf",
+                     format="peft" if adapter else "hf", metrics=metrics, extra=extra,
                      source_model=source_model or ctx.source_model,
                      system_prompt=ctx.system_prompt)  # fmt: skip
     return final
+
+
+def canonical_adapter(out: Path) -> None:
+    """What peft saves, made the same bytes on every run: its adapter_config.json lists
+    target_modules in set order (which varies with PYTHONHASHSEED), its README.md is a template
+    card naming the base by absolute path (the manifest carries the lineage), and its weights
+    are written 0600 (published files follow the umask)."""
+    config = out / "adapter_config.json"
+    data = json.loads(config.read_text())
+    if isinstance(data.get("target_modules"), list):
+        data["target_modules"] = sorted(data["target_modules"])
+    write_text_atomic(config, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    (out / "README.md").unlink(missing_ok=True)
+    shareable(out / "adapter_model.safetensors")
+
+
+def adapter_record(ctx: StageContext, model) -> dict[str, Any] | None:
+    """For a PEFT model: the policy its adapter applies to (``base_model_name_or_path``, set by
+    ``lora.adapter_of``) with that directory's content hash, and the adapter's shape."""
+    configs = getattr(model, "peft_config", None)
+    if not configs:
+        return None
+    config = next(iter(configs.values()))
+    applies_to = ctx.root / config.base_model_name_or_path
+    return {
+        "applies_to": {"path": config.base_model_name_or_path, "hash": ctx.content_hash(applies_to)},
+        "peft_type": str(config.peft_type.value),
+        "rank": config.r,
+        "alpha": config.lora_alpha,
+    }
 
 
 def write_record(out: Path, ctx: StageContext, *, type: str, format: str, **fields: Any) -> None:

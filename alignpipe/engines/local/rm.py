@@ -32,7 +32,7 @@ from typing import Any
 from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
-from alignpipe.engines.local import live_log, training
+from alignpipe.engines.local import live_log, lora, training
 from alignpipe.errors import UnsupportedSetting
 from alignpipe.measure.heldout import published_samples, scores_file
 from alignpipe.measure.logprobs import LOCAL_DTYPE
@@ -129,12 +129,14 @@ def run(ctx: StageContext) -> None:
     # Refuse impossible settings before the (slow) ML imports.
     training.refuse_gpu_only_settings(ctx)
     check_reward_model_cfg(ctx)
+    lora.lora_settings(ctx)  # refuses LoRA for the reward model, with the reason
     from datasets import Dataset
     from transformers import AutoTokenizer, set_seed
     from trl import RewardConfig, RewardTrainer
 
     cfg = ctx.config
-    model_path = str(ctx.root / cfg["policy"]["model_name"])
+    # An SFT adapter stands for its base with the adapter merged (adapters.merged_dir).
+    model_path = str(lora.full_policy_dir(ctx, ctx.root / cfg["policy"]["model_name"], LOCAL_DTYPE))
     tokenizer_path = str(ctx.root / get_path(cfg, "policy.tokenizer.name", cfg["policy"]["model_name"]))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
     train_pairs, val_pairs = training.preference_splits(ctx, "rm", tokenizer)

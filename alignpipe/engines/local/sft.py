@@ -13,7 +13,8 @@ from __future__ import annotations
 from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
-from alignpipe.engines.local import live_log, training
+from alignpipe.engines.local import live_log, lora, training
+from alignpipe.errors import UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.chat_tokens import sft_example
 from alignpipe.measure.generation import with_system
@@ -57,6 +58,7 @@ def run(ctx: StageContext) -> None:
     from trl import SFTConfig, SFTTrainer
 
     training.refuse_gpu_only_settings(ctx)
+    adapter = lora.lora_settings(ctx)
     training.apply_torch_threads(ctx)
     cfg = ctx.config
     model_path = resolve_model_path(ctx, cfg["policy"]["model_name"])
@@ -67,6 +69,11 @@ def run(ctx: StageContext) -> None:
     import_from = get_path(cfg, "alignpipe.import_checkpoint")
 
     live = live_log.open_live(ctx)
+    if import_from and adapter:
+        raise UnsupportedSetting(
+            f"stages/sft/config/{ctx.profile}.yaml: alignpipe.import_checkpoint publishes an existing "
+            f"checkpoint, so there is no adapter to train; turn {lora.LORA_KEY}.enabled off"
+        )
     if import_from:
         # Warm start from an existing HF checkpoint instead of training one.
         model = AutoModelForCausalLM.from_pretrained(
@@ -75,6 +82,7 @@ def run(ctx: StageContext) -> None:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(ctx, import_from), local_files_only=True)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=LOCAL_DTYPE)
+        peft = {"peft_config": lora.peft_config(model, adapter)} if adapter else {}
 
         def examples(path: str) -> Dataset:
             rows = read_jsonl(ctx.root / path)
@@ -103,7 +111,10 @@ def run(ctx: StageContext) -> None:
             eval_dataset=val,
             processing_class=tokenizer,
             callbacks=[live_log.make_live_callback(live, METRICS)],
+            **peft,
         )
+        if adapter:
+            lora.prepare(ctx, trainer.model, adapter, model_path, int(get_path(cfg, "sft.seed", ctx.seed)))
         training.train_resumable(ctx, trainer, live, METRICS)
         if val is not None and get_path(cfg, "sft.val_at_end", True):
             live_log.log_to_live(live, METRICS, trainer.evaluate(), trainer.state.global_step)

@@ -39,6 +39,7 @@ from alignpipe.engines.nemo_rl.render import (
     dropped_training_knobs,
     entry_argv,
     render,
+    unpublishable,
     uses_nemo_gym,
 )
 from alignpipe.errors import AlignpipeError, ConfigError, UnsupportedSetting
@@ -310,6 +311,8 @@ def prepare(ctx, paths: RunPaths, runner: CommandRunner, workdir: Path) -> dict[
 
 def run(ctx, *, runner: CommandRunner = run_command) -> None:
     dropped = dropped_training_knobs(ctx.name, ctx.config)
+    if unpublishable(ctx.config):
+        dropped.append(unpublishable(ctx.config))
     if dropped:
         raise UnsupportedSetting(
             f"stage '{ctx.name}' (profile '{ctx.profile}') on the nemo_rl engine:\n  - "

@@ -108,6 +108,7 @@ def dropped_training_knobs(stage: str, cfg: dict[str, Any]) -> list[str]:
             "reward-model environment passes them unclipped: use grpo.reward_scaling (source_min/source_max "
             "clamp), or set alignpipe.reward_clip: null"
         )
+    problems += lora_problems(stage, cfg)
     if stage in ("sft", "rm", "dpo") and get_path(cfg, "data.default.system_prompt_file"):
         problems.append(
             f"data.default.system_prompt_file={get_path(cfg, 'data.default.system_prompt_file')!r}: NeMo-RL v0.7.0's "
@@ -115,6 +116,53 @@ def dropped_training_knobs(stage: str, cfg: dict[str, Any]) -> list[str]:
             "prepends it); put the system turn in the data, or set the key to null"
         )
     return problems
+
+
+def lora_problems(stage: str, cfg: dict[str, Any]) -> list[str]:
+    """LoRA keys NeMo-RL v0.7.0 would ignore (the other backend's) or refuse at start-up."""
+    lora = bool(get_path(cfg, "policy.dtensor_cfg.lora_cfg.enabled"))
+    peft = bool(get_path(cfg, "policy.megatron_cfg.peft.enabled"))
+    megatron = bool(get_path(cfg, "policy.megatron_cfg.enabled"))
+    problems = []
+    if lora and megatron:
+        problems.append(
+            "policy.dtensor_cfg.lora_cfg.enabled=true with the Megatron backend: NeMo-RL reads LoRA from "
+            "policy.megatron_cfg.peft there; set policy.megatron_cfg.peft.enabled=true instead"
+        )
+    if peft and not megatron:
+        problems.append(
+            "policy.megatron_cfg.peft.enabled=true with the DTensor backend: NeMo-RL reads LoRA from "
+            "policy.dtensor_cfg.lora_cfg there; set policy.dtensor_cfg.lora_cfg.enabled=true instead"
+        )
+    if lora and not megatron and not get_path(cfg, "policy.dtensor_cfg._v2"):
+        problems.append(
+            "policy.dtensor_cfg.lora_cfg.enabled=true needs policy.dtensor_cfg._v2: true (NeMo-RL's "
+            f"DTensorPolicyWorker V1 asserts 'LoRA is not supported'): -S '+{stage}.policy.dtensor_cfg._v2=true'"
+        )
+    tp = int(get_path(cfg, "policy.dtensor_cfg.tensor_parallel_size", 1) or 1)
+    if lora and tp > 1 and get_path(cfg, "policy.dtensor_cfg.lora_cfg.use_triton"):
+        problems.append(
+            f"policy.dtensor_cfg.lora_cfg.use_triton=true with tensor_parallel_size={tp}: NeMo-RL asserts "
+            "Triton LoRA needs tensor_parallel_size 1; set use_triton: false"
+        )
+    if stage == "rm" and (lora or peft):
+        problems.append(
+            "LoRA on the reward model: NeMo-RL freezes every base weight under LoRA, the freshly "
+            "initialised score head included, so it could not learn to score; train rm with full weights"
+        )
+    return problems
+
+
+def unpublishable(cfg: dict[str, Any]) -> str | None:
+    """Why this engine could not publish what NeMo-RL would train, if it could not."""
+    if get_path(cfg, "policy.dtensor_cfg.lora_cfg.enabled") or get_path(
+        cfg, "policy.megatron_cfg.peft.enabled"
+    ):
+        return (
+            "NeMo-RL accepts this LoRA config (alignpipe plan --check), but alignpipe does not yet "
+            "publish or convert NeMo-RL's LoRA checkpoints (issue 25); train full weights on GPU for now"
+        )
+    return None
 
 
 def uses_nemo_gym(cfg: dict[str, Any]) -> bool:

@@ -1,0 +1,92 @@
+"""LoRA adapters as checkpoints: which policy an adapter applies to, and the full model it
+stands for.
+
+A LoRA stage publishes a PEFT adapter directory (``adapter_config.json`` and
+``adapter_model.safetensors``: what peft's ``PeftModel`` and vLLM's ``--enable-lora`` load) whose
+``base_model_name_or_path`` is the repo-relative directory of the policy it was trained on. That
+policy may be an adapter too (a LoRA sft, then a LoRA dpo on it), so an adapter stands for a
+chain: a full checkpoint at the root, then each adapter merged in order. Whatever needs a full
+model (the next trainer, convert) asks :func:`merged_dir`, which merges the chain once with peft's
+``merge_and_unload`` into a cache outside the DVC outputs, keyed by every directory's content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from alignpipe.artifacts import dvc_hash, staged_dir
+from alignpipe.errors import ConfigError
+
+ADAPTER_CONFIG = "adapter_config.json"
+# An adapter on an adapter on ... : far beyond any pipeline's depth, so a loop is named, not followed.
+MAX_CHAIN = 16
+
+
+def is_adapter(directory: Path | str) -> bool:
+    return (Path(directory) / ADAPTER_CONFIG).is_file()
+
+
+def adapter_base(directory: Path | str, root: Path) -> Path:
+    """The directory (under ``root``) that the adapter in ``directory`` applies to."""
+    path = Path(directory) / ADAPTER_CONFIG
+    try:
+        base = json.loads(path.read_text()).get("base_model_name_or_path")
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e}); re-run the stage that published it") from e
+    if not base:
+        raise ConfigError(f"{path}: base_model_name_or_path is empty, so the adapter's base is unknown")
+    found = (root / base).resolve()
+    if not found.is_dir():
+        raise ConfigError(
+            f"{path}: base_model_name_or_path '{base}' is not a directory under {root}; "
+            f"the adapter applies to it (run `dvc pull {base}` or `dvc repro` for the stage that makes it)"
+        )
+    return found
+
+
+def adapter_chain(directory: Path | str, root: Path) -> list[Path]:
+    """``[full checkpoint, adapter, ..., directory]``: what ``directory`` stands for, root first."""
+    chain = [Path(directory).resolve()]
+    while is_adapter(chain[0]):
+        if len(chain) > MAX_CHAIN:
+            raise ConfigError(f"{directory}: more than {MAX_CHAIN} adapters in a chain (a loop?): {chain}")
+        chain.insert(0, adapter_base(chain[0], root))
+    return chain
+
+
+def chain_key(chain: list[Path]) -> str:
+    """Content key of a chain: equal exactly when every directory in it holds the same bytes."""
+    hashes = [dvc_hash(d) for d in chain]
+    return hashlib.md5(json.dumps(hashes).encode()).hexdigest()[:16]
+
+
+def merge_chain(chain: list[Path], dtype: str):
+    """The full causal LM a chain stands for: the root checkpoint with each adapter merged in."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(chain[0], local_files_only=True, dtype=dtype)
+    for adapter in chain[1:]:
+        model = PeftModel.from_pretrained(model, adapter, local_files_only=True).merge_and_unload()
+    return model
+
+
+def merged_dir(directory: Path | str, root: Path, cache: Path, dtype: str) -> Path:
+    """A full HF directory for ``directory``: itself when it holds full weights, else its
+    chain merged (once: later calls find it in ``cache``) with the adapter's tokenizer."""
+    directory = Path(directory)
+    if not is_adapter(directory):
+        return directory
+    chain = adapter_chain(directory, root)
+    out = Path(cache) / chain_key(chain)
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoTokenizer
+
+    model = merge_chain(chain, dtype)
+    with staged_dir(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(directory, local_files_only=True).save_pretrained(tmp)
+    return out

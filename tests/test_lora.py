@@ -1,0 +1,229 @@
+"""LoRA (issue 25, first part): NeMo-RL's lora_cfg means on the local engine what it means in
+NeMo Automodel, an sft adapter is published as checkpoint_lora, and stages after it start from the
+chain merged.
+
+Automodel's own code runs here: nemo-automodel 0.7.0 from PyPI (pure Python; its LoRA layer and
+module matcher need only torch), installed without dependencies into a cached folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from alignpipe.adapters import adapter_chain, merge_chain, merged_dir
+from alignpipe.artifacts import dvc_hash, read_manifest
+from alignpipe.config import compose_params_text
+from alignpipe.context import build_context
+from alignpipe.engines.local import lora
+from alignpipe.errors import UnsupportedSetting
+from tests.conftest import FAST_SFT, REPO, run_cli, set_params, writable_copy
+
+AUTOMODEL = "nemo-automodel==0.7.0"
+
+
+@pytest.fixture(scope="session")
+def automodel() -> Path:
+    """A folder holding Automodel 0.7.0's sources (PyPI wheel), on sys.path for this session."""
+    target = Path.home() / ".cache" / "alignpipe" / "automodel-0.7.0"
+    if not (target / "nemo_automodel" / "components" / "_peft" / "lora.py").is_file():
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), AUTOMODEL],
+            check=True,
+        )
+    sys.path.insert(0, str(target))
+    return target
+
+
+def tiny_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    config.architectures = ["LlamaForCausalLM"]
+    return LlamaForCausalLM(config).eval()
+
+
+def settings(**over) -> lora.LoraSettings:
+    base = dict(
+        target_modules=("*_proj",), exclude_modules=(), match_all_linear=False, dim=4, alpha=16.0,
+        dropout=0.0, dropout_position="post", lora_A_init="xavier",
+    )  # fmt: skip
+    return lora.LoraSettings(**{**base, **over})
+
+
+def automodel_lora(model, s: lora.LoraSettings) -> tuple[set[str], object]:
+    from nemo_automodel.components._peft.lora import PeftConfig, apply_lora_to_linear_modules
+
+    model = copy.deepcopy(model)
+    cfg = PeftConfig.from_dict(
+        {
+            "target_modules": list(s.target_modules), "exclude_modules": list(s.exclude_modules),
+            "match_all_linear": s.match_all_linear, "dim": s.dim, "alpha": s.alpha, "dropout": s.dropout,
+            "dropout_position": s.dropout_position, "lora_A_init": s.lora_A_init, "use_triton": False,
+        }
+    )  # fmt: skip
+    apply_lora_to_linear_modules(model, cfg)
+    adapted = {name for name, m in model.named_modules() if hasattr(m, "lora_A")}
+    return adapted, model
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},  # the profiles' default: every projection
+        {"target_modules": ("*.self_attn.q_proj", "*.mlp.down_proj")},
+        {"target_modules": (), "exclude_modules": ("lm_head",)},
+        {"target_modules": ("*.layers.0.*",)},
+    ],
+)
+def test_same_layers_and_same_function_as_automodel(automodel, over):
+    """Our peft adapter goes on exactly the layers Automodel adapts, and with the same weights
+    computes the same logits (alpha/dim scale, A then B)."""
+    from peft import get_peft_model
+
+    s = settings(**over)
+    base = tiny_model()
+    theirs, their_model = automodel_lora(base, s)
+    ours = lora.target_modules(base, s)
+    assert set(ours) == theirs and ours
+
+    peft_model = get_peft_model(copy.deepcopy(base), lora.peft_config(base, s))
+    lora.init_adapter(peft_model, s, seed=3)
+    # Give B non-zero weights (a trained adapter), then copy ours into Automodel's layers.
+    torch.manual_seed(1)
+    modules = dict(their_model.named_modules())
+    for name, module in peft_model.base_model.model.named_modules():
+        if name in theirs:
+            module.lora_B["default"].weight.data.normal_()
+            modules[name].lora_A.weight.data.copy_(module.lora_A["default"].weight.data)
+            modules[name].lora_B.weight.data.copy_(module.lora_B["default"].weight.data)
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
+    with torch.no_grad():
+        expected = their_model(input_ids=ids).logits
+        got = peft_model(input_ids=ids).logits
+        plain = base(input_ids=ids).logits
+    assert not torch.allclose(expected, plain, atol=1e-3)  # the adapter does something
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+
+
+def test_initial_adapter_is_automodels(automodel):
+    """lora_A's draw (xavier-normal, or kaiming-uniform for 'uniform') and lora_B = 0, as
+    Automodel's LinearLoRA initialises them: same spread, and the policy starts as its base."""
+    from peft import get_peft_model
+
+    base = tiny_model()
+    for init in ("xavier", "uniform"):
+        s = settings(lora_A_init=init)
+        _, theirs = automodel_lora(base, s)
+        ours = get_peft_model(copy.deepcopy(base), lora.peft_config(base, s))
+        lora.init_adapter(ours, s, seed=0)
+        ours_a = torch.cat([p.flatten() for n, p in ours.named_parameters() if ".lora_A." in n])
+        their_a = torch.cat([p.flatten() for n, p in theirs.named_parameters() if n.endswith("lora_A.weight")])
+        assert ours_a.numel() == their_a.numel()
+        assert abs(ours_a.std() - their_a.std()) < 0.15 * their_a.std(), (init, ours_a.std(), their_a.std())
+        assert all((p == 0).all() for n, p in ours.named_parameters() if ".lora_B." in n)
+        ids = torch.tensor([[3, 4, 5]])
+        with torch.no_grad():
+            assert torch.equal(ours(input_ids=ids).logits, base(input_ids=ids).logits)
+
+
+def test_selection_that_matches_nothing_lists_the_layers(automodel):
+    """A bare 'q_proj' matches no full name in Automodel 0.7.0 (it would adapt nothing and train
+    nothing); here it is an error that lists the model's linear layers."""
+    base = tiny_model()
+    theirs, _ = automodel_lora(base, settings(target_modules=("q_proj",)))
+    assert theirs == set()
+    with pytest.raises(UnsupportedSetting) as err:
+        lora.target_modules(base, settings(target_modules=("q_proj",)))
+    assert "model.layers.*.self_attn.q_proj" in str(err.value) and "lm_head" in str(err.value)
+
+
+def test_lm_head_adapter_is_refused():
+    """match_all_linear adapts the lm_head in Automodel; TRL would never train that adapter."""
+    with pytest.raises(UnsupportedSetting, match="lm_head"):
+        lora.peft_config(tiny_model(), settings(target_modules=(), match_all_linear=True))
+
+
+def lora_context(root: Path, stage: str, **lora_cfg):
+    params = json.loads(json.dumps(__import__("yaml").safe_load(compose_params_text(root.resolve()))))
+    params.setdefault(stage, {}).setdefault("policy", {})["dtensor_cfg"] = {"lora_cfg": {"enabled": True, **lora_cfg}}
+    return build_context(root, stage, params=params)
+
+
+@pytest.mark.parametrize(
+    ("stage", "lora_cfg", "message"),
+    [
+        ("rm", {}, "score head"),
+        ("dpo", {}, "does not train this stage's adapter yet"),
+        ("sft", {"dropout": 0.1}, "dropout_position='post' with dropout > 0"),
+        ("sft", {"exclude_modules": ["lm_head"]}, "target_modules and exclude_modules are exclusive"),
+        ("sft", {"lora_A_init": "gaussian"}, "lora_A_init must be"),
+        ("sft", {"dim": 0}, "dim must be a positive rank"),
+    ],
+)
+def test_settings_the_local_engine_cannot_honour_are_refused(stage, lora_cfg, message):
+    with pytest.raises(UnsupportedSetting, match=message):
+        lora.lora_settings(lora_context(REPO, stage, **lora_cfg))
+
+
+def test_lora_on_is_one_knob():
+    """`dvc exp run -S lora=on` (DVC's Hydra composition) turns the adapter on for sft."""
+    import yaml
+
+    params = yaml.safe_load(compose_params_text(REPO.resolve(), ["lora=on"]))
+    assert params["sft"]["policy"]["dtensor_cfg"]["lora_cfg"]["enabled"] is True
+    ctx = build_context(REPO, "sft", params=params)
+    assert lora.lora_settings(ctx) is not None
+    assert lora.lora_settings(build_context(REPO, "sft")) is None  # committed params: off
+
+
+@pytest.mark.slow
+def test_sft_adapter_is_published_and_the_next_stage_starts_from_it_merged(trained_sft, tmp_path):
+    """sft with lora=on publishes a small PEFT adapter naming models/base by path and hash; it
+    loads with PeftModel; the merged chain equals base + adapter to 1e-5; dpo trains on it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root = writable_copy(trained_sft, tmp_path / "repo")
+    env = {"ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")}
+    (root / "params.yaml").write_text(compose_params_text(root.resolve(), ["lora=on"]))
+    set_params(root, {**FAST_SFT, "dpo": {"dpo": {"max_num_steps": 10}}})
+    run_cli(root, "run", "sft", env=env)
+
+    adapter = root / "models" / "sft"
+    manifest = read_manifest(adapter)
+    assert manifest["type"] == "checkpoint_lora" and manifest["format"] == "peft"
+    assert manifest["adapter"]["applies_to"] == {
+        "path": "models/base",
+        "hash": dvc_hash(root / "models" / "base"),
+    }
+    assert not (adapter / "model.safetensors").exists()
+    size = sum(p.stat().st_size for p in adapter.rglob("*") if p.is_file())
+    assert size < (root / "models" / "base" / "model.safetensors").stat().st_size / 4
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "models/base"
+
+    base = AutoModelForCausalLM.from_pretrained(root / "models" / "base", local_files_only=True)
+    unmerged = PeftModel.from_pretrained(base, adapter).eval()
+    chain = adapter_chain(adapter, root)
+    assert chain == [(root / "models" / "base").resolve(), adapter.resolve()]
+    merged = merge_chain(chain, "float32").eval()
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7, 3]])
+    with torch.no_grad():
+        diff = (merged(input_ids=ids).logits - unmerged(input_ids=ids).logits).abs().max()
+    assert diff < 1e-5, diff
+    assert any((p != 0).any() for n, p in unmerged.named_parameters() if "lora_B" in n)  # it trained
+
+    run_cli(root, "run", "dpo", env=env)  # full weights, from the merged sft
+    made = list((tmp_path / "scratch" / "merged").iterdir())
+    assert made == [merged_dir(adapter, root, tmp_path / "scratch" / "merged", "float32")]  # by dpo, once
+    assert read_manifest(root / "models" / "dpo")["type"] == "checkpoint_hf"
