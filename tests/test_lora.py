@@ -223,6 +223,16 @@ def test_sft_adapter_is_published_and_the_next_stage_starts_from_it_merged(train
     assert diff < 1e-5, diff
     assert any((p != 0).any() for n, p in unmerged.named_parameters() if "lora_B" in n)  # it trained
 
+    # convert merges the adapter into full weights, verified against base + adapter unmerged
+    run_cli(root, "run", "convert", "--source", "sft", env=env)
+    export = root / "exports" / "sft"
+    exported = read_manifest(export)
+    assert exported["merged"] == ["models/base", "models/sft"]
+    assert exported["verification"]["max_abs_logit_diff"] <= 1e-5
+    with torch.no_grad():
+        loaded = AutoModelForCausalLM.from_pretrained(export, local_files_only=True).eval()
+        assert (loaded(input_ids=ids).logits - unmerged(input_ids=ids).logits).abs().max() < 1e-5
+
     run_cli(root, "run", "dpo", env=env)  # full weights, from the merged sft
     made = list((tmp_path / "scratch" / "merged").iterdir())
     assert made == [merged_dir(adapter, root, tmp_path / "scratch" / "merged", "float32")]  # by dpo, once
