@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignpipe.adapters import adapter_chain, merge_chain, merged_dir
+from alignpipe.adapters import adapter_chain, merge_chain
 from alignpipe.artifacts import dvc_hash, read_manifest
 from alignpipe.config import compose_params_text
 from alignpipe.context import build_context
@@ -128,7 +128,9 @@ def test_initial_adapter_is_automodels(automodel):
         ours = get_peft_model(copy.deepcopy(base), lora.peft_config(base, s))
         lora.init_adapter(ours, s, seed=0)
         ours_a = torch.cat([p.flatten() for n, p in ours.named_parameters() if ".lora_A." in n])
-        their_a = torch.cat([p.flatten() for n, p in theirs.named_parameters() if n.endswith("lora_A.weight")])
+        their_a = torch.cat(
+            [p.flatten() for n, p in theirs.named_parameters() if n.endswith("lora_A.weight")]
+        )
         assert ours_a.numel() == their_a.numel()
         assert abs(ours_a.std() - their_a.std()) < 0.15 * their_a.std(), (init, ours_a.std(), their_a.std())
         assert all((p == 0).all() for n, p in ours.named_parameters() if ".lora_B." in n)
@@ -156,7 +158,9 @@ def test_lm_head_adapter_is_refused():
 
 def lora_context(root: Path, stage: str, **lora_cfg):
     params = json.loads(json.dumps(__import__("yaml").safe_load(compose_params_text(root.resolve()))))
-    params.setdefault(stage, {}).setdefault("policy", {})["dtensor_cfg"] = {"lora_cfg": {"enabled": True, **lora_cfg}}
+    params.setdefault(stage, {}).setdefault("policy", {})["dtensor_cfg"] = {
+        "lora_cfg": {"enabled": True, **lora_cfg}
+    }
     return build_context(root, stage, params=params)
 
 
@@ -164,7 +168,6 @@ def lora_context(root: Path, stage: str, **lora_cfg):
     ("stage", "lora_cfg", "message"),
     [
         ("rm", {}, "score head"),
-        ("dpo", {}, "does not train this stage's adapter yet"),
         ("sft", {"dropout": 0.1}, "dropout_position='post' with dropout > 0"),
         ("sft", {"exclude_modules": ["lm_head"]}, "target_modules and exclude_modules are exclusive"),
         ("sft", {"lora_A_init": "gaussian"}, "lora_A_init must be"),
@@ -177,29 +180,45 @@ def test_settings_the_local_engine_cannot_honour_are_refused(stage, lora_cfg, me
 
 
 def test_lora_on_is_one_knob():
-    """`dvc exp run -S lora=on` (DVC's Hydra composition) turns the adapter on for sft."""
+    """`dvc exp run -S lora=on` (DVC's Hydra composition) turns the adapter on for every stage
+    that trains a policy, and leaves rm on full weights."""
     import yaml
 
     params = yaml.safe_load(compose_params_text(REPO.resolve(), ["lora=on"]))
-    assert params["sft"]["policy"]["dtensor_cfg"]["lora_cfg"]["enabled"] is True
-    ctx = build_context(REPO, "sft", params=params)
-    assert lora.lora_settings(ctx) is not None
+    for stage in lora.LORA_STAGES:
+        assert lora.lora_settings(build_context(REPO, stage, params=params)) is not None, stage
+    assert lora.lora_settings(build_context(REPO, "rm", params=params)) is None
     assert lora.lora_settings(build_context(REPO, "sft")) is None  # committed params: off
 
 
+GRPO = {
+    "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 4, "max_num_steps": 4},
+    "policy": {"train_global_batch_size": 32, "train_micro_batch_size": 32},
+}
+
+
+@pytest.fixture(scope="module")
+def lora_pipeline(trained_sft, tmp_path_factory) -> Path:
+    """sft and dpo with -S lora=on (short runs), then convert@dpo, in one repo copy."""
+    tmp = tmp_path_factory.mktemp("lora")
+    root = writable_copy(trained_sft, tmp / "repo")
+    env = {"ALIGNPIPE_SCRATCH": str(tmp / "scratch")}
+    (root / "params.yaml").write_text(compose_params_text(root.resolve(), ["lora=on"]))
+    set_params(root, {**FAST_SFT, "dpo": {"dpo": {"max_num_steps": 20}}})
+    for stage in ("sft", "dpo"):
+        run_cli(root, "run", stage, env=env)
+    run_cli(root, "run", "convert", "--source", "dpo", env=env)
+    return root
+
+
 @pytest.mark.slow
-def test_sft_adapter_is_published_and_the_next_stage_starts_from_it_merged(trained_sft, tmp_path):
-    """sft with lora=on publishes a small PEFT adapter naming models/base by path and hash; it
-    loads with PeftModel; the merged chain equals base + adapter to 1e-5; dpo trains on it."""
+def test_sft_adapter_is_published_small_and_loads(lora_pipeline):
+    """sft publishes the adapter alone, naming models/base by path and hash; it loads with
+    PeftModel, trained; the merged chain equals base + adapter unmerged to 1e-5."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    root = writable_copy(trained_sft, tmp_path / "repo")
-    env = {"ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")}
-    (root / "params.yaml").write_text(compose_params_text(root.resolve(), ["lora=on"]))
-    set_params(root, {**FAST_SFT, "dpo": {"dpo": {"max_num_steps": 10}}})
-    run_cli(root, "run", "sft", env=env)
-
+    root = lora_pipeline
     adapter = root / "models" / "sft"
     manifest = read_manifest(adapter)
     assert manifest["type"] == "checkpoint_lora" and manifest["format"] == "peft"
@@ -210,30 +229,67 @@ def test_sft_adapter_is_published_and_the_next_stage_starts_from_it_merged(train
     assert not (adapter / "model.safetensors").exists()
     size = sum(p.stat().st_size for p in adapter.rglob("*") if p.is_file())
     assert size < (root / "models" / "base" / "model.safetensors").stat().st_size / 4
-    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "models/base"
+    assert (
+        json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "models/base"
+    )
 
     base = AutoModelForCausalLM.from_pretrained(root / "models" / "base", local_files_only=True)
     unmerged = PeftModel.from_pretrained(base, adapter).eval()
+    assert any((p != 0).any() for n, p in unmerged.named_parameters() if "lora_B" in n)  # it trained
     chain = adapter_chain(adapter, root)
     assert chain == [(root / "models" / "base").resolve(), adapter.resolve()]
-    merged = merge_chain(chain, "float32").eval()
     ids = torch.tensor([[1, 5, 9, 13, 2, 7, 3]])
     with torch.no_grad():
-        diff = (merged(input_ids=ids).logits - unmerged(input_ids=ids).logits).abs().max()
-    assert diff < 1e-5, diff
-    assert any((p != 0).any() for n, p in unmerged.named_parameters() if "lora_B" in n)  # it trained
+        diff = merge_chain(chain, "float32").eval()(input_ids=ids).logits - unmerged(input_ids=ids).logits
+    assert diff.abs().max() < 1e-5, diff.abs().max()
 
-    # convert merges the adapter into full weights, verified against base + adapter unmerged
-    run_cli(root, "run", "convert", "--source", "sft", env=env)
-    export = root / "exports" / "sft"
+
+@pytest.mark.slow
+def test_dpo_adapter_on_the_sft_adapter_learns_against_the_disabled_adapter(lora_pipeline):
+    """dpo trains a second adapter on the merged sft; its reference is the same model with the
+    adapter off, and TRL's implicit rewards move (they were all 0 while a hook of ours handed the
+    reference pass the policy's output)."""
+    root = lora_pipeline
+    manifest = read_manifest(root / "models" / "dpo")
+    assert manifest["type"] == "checkpoint_lora"
+    assert manifest["adapter"]["applies_to"]["path"] == "models/sft"
+    train = json.loads((root / "results" / "dpo" / "metrics.json").read_text())["train"]
+    assert train["reward_margin"] > 0 and train["preference_accuracy"] > 0.6, train
+    assert (
+        len(list((root.parent / "scratch" / "merged").iterdir())) == 1
+    )  # the sft chain, merged once for dpo and rlvr
+
+
+@pytest.mark.slow
+def test_rlvr_adapter_learns_against_the_disabled_adapter(trained_sft, tmp_path):
+    """GRPO with a LoRA adapter on the (full-weight) sft policy: TRL's reference is the policy with
+    the adapter off, and the adapter moves the policy away from it (held-out KL > 0)."""
+    root = writable_copy(trained_sft, tmp_path / "repo")
+    set_params(
+        root, {"rlvr": {**GRPO, "policy": {**GRPO["policy"], "dtensor_cfg": {"lora_cfg": {"enabled": True}}}}}
+    )
+    run_cli(root, "run", "rlvr", env={"ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")})
+    manifest = read_manifest(root / "models" / "rlvr")
+    assert manifest["type"] == "checkpoint_lora" and manifest["adapter"]["applies_to"]["path"] == "models/sft"
+    metrics = json.loads((root / "results" / "rlvr" / "metrics.json").read_text())
+    assert metrics["heldout"]["kl_to_reference"] > 0, metrics
+
+
+@pytest.mark.slow
+def test_convert_merges_the_whole_chain(lora_pipeline):
+    """convert@dpo merges base + sft adapter + dpo adapter into full weights, verified against the
+    unmerged dpo adapter on the merged sft."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root = lora_pipeline
+    export = root / "exports" / "dpo"
     exported = read_manifest(export)
-    assert exported["merged"] == ["models/base", "models/sft"]
+    assert exported["merged"] == ["models/base", "models/sft", "models/dpo"]
     assert exported["verification"]["max_abs_logit_diff"] <= 1e-5
+    chain = adapter_chain(root / "models" / "dpo", root)
+    unmerged = PeftModel.from_pretrained(merge_chain(chain[:-1], "float32"), chain[-1]).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(export, local_files_only=True).eval()
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7, 3]])
     with torch.no_grad():
-        loaded = AutoModelForCausalLM.from_pretrained(export, local_files_only=True).eval()
         assert (loaded(input_ids=ids).logits - unmerged(input_ids=ids).logits).abs().max() < 1e-5
-
-    run_cli(root, "run", "dpo", env=env)  # full weights, from the merged sft
-    made = list((tmp_path / "scratch" / "merged").iterdir())
-    assert made == [merged_dir(adapter, root, tmp_path / "scratch" / "merged", "float32")]  # by dpo, once
-    assert read_manifest(root / "models" / "dpo")["type"] == "checkpoint_hf"

@@ -140,30 +140,32 @@ def test_killed_stage_resumes_to_the_uninterrupted_outputs(
     )
 
 
-LORA_SFT = {**SETTINGS["sft"], "policy": {"dtensor_cfg": {"lora_cfg": {"enabled": True}}}}
+LORA = {"policy": {"dtensor_cfg": {"lora_cfg": {"enabled": True}}}}
 
 
-@pytest.mark.parametrize("which", KILL_POINTS)
-def test_killed_lora_stage_resumes_to_the_same_adapter(which, trained_sft, tmp_path):
-    """A LoRA sft killed at a checkpoint resumes to the same adapter bytes (and outputs) as an
+@pytest.mark.parametrize(("stage", "which"), [("sft", "first"), ("sft", "last"), ("dpo", "first")])
+def test_killed_lora_stage_resumes_to_the_same_adapter(stage, which, trained_sft, tmp_path):
+    """A LoRA stage killed at a checkpoint resumes to the same adapter bytes (and outputs) as an
     uninterrupted run: the checkpoint holds the adapter and its optimizer state, not the base."""
     runs = {}
     for name in ("straight", "killed"):
         root = writable_copy(trained_sft, tmp_path / name / "repo")
-        for out in (root / "models" / "sft", root / "results" / "sft"):
+        for out in (root / "models" / stage, root / "results" / stage):
             shutil.rmtree(out, ignore_errors=True)
-        set_params(root, {"sft": LORA_SFT})
+        set_params(root, {stage: {**SETTINGS[stage], **LORA}})
         env = {"ALIGNPIPE_SCRATCH": str(tmp_path / name / "scratch")}
         if name == "killed":
-            _kill_at_checkpoint(root, "sft", env, which)
-            assert "resuming from" in run_cli(root, "run", "sft", env=env).stdout
+            _kill_at_checkpoint(root, stage, env, which)
+            assert "resuming from" in run_cli(root, "run", stage, env=env).stdout
         else:
-            run_cli(root, "run", "sft", env=env)
+            run_cli(root, "run", stage, env=env)
         runs[name] = root
-    assert (runs["straight"] / "models/sft/adapter_model.safetensors").is_file()
-    for out in ("models/sft", "results/sft"):
+    assert (runs["straight"] / "models" / stage / "adapter_model.safetensors").is_file()
+    for out in (f"models/{stage}", f"results/{stage}"):
         differences = _differences(runs["straight"] / out, runs["killed"] / out)
-        assert not differences, f"LoRA sft resumed after its {which} checkpoint:\n" + "\n".join(differences)
+        assert not differences, f"LoRA {stage} resumed after its {which} checkpoint:\n" + "\n".join(
+            differences
+        )
 
 
 def _differences(expected: Path, actual: Path, context_lines: int = 2, max_lines: int = 40) -> list[str]:

@@ -113,8 +113,14 @@ def make_trainer_class():
             if not self.sft["weight"]:
                 return super()._compute_loss(model, inputs, return_outputs)
             seen = {}
-            # The policy's forward (TRL's fused head) returns the per-token log-probs; keep them.
-            hook = model.register_forward_hook(lambda module, args, output: seen.setdefault("out", output))
+
+            def keep_first(module, args, output) -> None:
+                # The policy's forward (TRL's fused head, the first call) returns the per-token
+                # log-probs: keep them. Return None: a hook's return value replaces the output, and
+                # with a LoRA adapter TRL's reference pass is a second call of this same module.
+                seen.setdefault("out", output)
+
+            hook = model.register_forward_hook(keep_first)
             try:
                 result = super()._compute_loss(model, inputs, return_outputs)
             finally:
@@ -221,24 +227,31 @@ def run(ctx: StageContext) -> None:
     # Refuse impossible settings before the (slow) ML imports.
     training.refuse_gpu_only_settings(ctx)
     losses = loss_settings(ctx)
-    lora.lora_settings(ctx)
+    adapter = lora.lora_settings(ctx)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig
 
     cfg = ctx.config
+    policy_dir = ctx.root / cfg["policy"]["model_name"]
     # An SFT adapter stands for its base with the adapter merged (adapters.merged_dir).
-    model_path = str(lora.full_policy_dir(ctx, ctx.root / cfg["policy"]["model_name"], LOCAL_DTYPE))
+    model_path = str(lora.full_policy_dir(ctx, policy_dir, LOCAL_DTYPE))
     tokenizer_path = str(ctx.root / get_path(cfg, "policy.tokenizer.name", cfg["policy"]["model_name"]))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
     train_pairs, val_pairs = training.preference_splits(ctx, "dpo", tokenizer)
 
     model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=LOCAL_DTYPE)
-    # The reference is the same SFT policy, loaded separately and frozen.
-    reference = AutoModelForCausalLM.from_pretrained(
-        model_path, local_files_only=True, dtype=LOCAL_DTYPE
-    ).eval()
-    reference.requires_grad_(False)
+    if adapter:
+        # The reference is the policy with its adapter disabled (TRL's, and validation's below):
+        # no second copy of the weights.
+        reference, peft = None, {"peft_config": lora.peft_config(model, adapter)}
+    else:
+        # The reference is the same SFT policy, loaded separately and frozen.
+        reference = AutoModelForCausalLM.from_pretrained(
+            model_path, local_files_only=True, dtype=LOCAL_DTYPE
+        ).eval()
+        reference.requires_grad_(False)
+        peft = {}
 
     training.apply_torch_threads(ctx)
     trl_args = training.trl_common_args(ctx, "dpo", ctx.scratch_dir)
@@ -263,7 +276,7 @@ def run(ctx: StageContext) -> None:
         int(get_path(cfg, "dpo.val_period", 0) or 0) if val_pairs else 0,
         lambda m: preference_metrics(
             m,
-            reference,
+            reference if reference is not None else lora.AdapterDisabled(m),
             tokenizer,
             val_pairs,
             beta=losses["beta"],
@@ -280,7 +293,10 @@ def run(ctx: StageContext) -> None:
         train_dataset=Dataset.from_list(trl_pairs(train_pairs)),
         processing_class=tokenizer,
         callbacks=[live_log.make_live_callback(live, METRICS), validation],
+        **peft,
     )
+    if adapter:
+        lora.prepare(ctx, trainer.model, adapter, policy_dir, int(get_path(cfg, "dpo.seed", ctx.seed)))
     model = training.train_then_validate(ctx, trainer, live, METRICS, validation, "dpo", bool(val_pairs))
 
     samples = sample_heldout(ctx, model, tokenizer)

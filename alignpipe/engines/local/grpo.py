@@ -438,11 +438,13 @@ def run_grpo(
     refuse_unsupported_grpo(ctx)
     cfg = ctx.config
     training.apply_torch_threads(ctx)  # ~9x less CPU per GRPO step on a busy box (benchmarks/grpo_stages.md)
-    lora.lora_settings(ctx)
+    adapter = lora.lora_settings(ctx)
     policy_path = str(ctx.input("policy"))
     # An SFT adapter stands for its base with the adapter merged (adapters.merged_dir).
     full_path = lora.full_policy_dir(ctx, policy_path, LOCAL_DTYPE)
     model, tokenizer = load_policy(full_path)
+    # With LoRA, TRL's reference is this policy with its adapter disabled: no second copy.
+    peft = {"peft_config": lora.peft_config(model, adapter)} if adapter else {}
     tokenizer.padding_side = "left"  # TRL generates from left-padded prompts
 
     train_rows = read_jsonl(ctx.root / get_path(cfg, data_key))
@@ -475,7 +477,10 @@ def run_grpo(
         callbacks=[live_log.make_live_callback(live, names)],
         advantage_settings=advantage_settings(cfg, config_file(ctx)),
         kl_settings=kl_settings(cfg),
+        **peft,
     )
+    if adapter:
+        lora.prepare(ctx, trainer.model, adapter, policy_path, int(get_path(cfg, "grpo.seed", ctx.seed)))
     training.train_resumable(ctx, trainer, live, names)
     if val is not None and get_path(cfg, "grpo.val_at_end", False):
         live_log.log_to_live(live, names, trainer.evaluate(), trainer.state.global_step)

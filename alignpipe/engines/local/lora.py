@@ -8,11 +8,11 @@ NeMo-RL v0.7.0 hands ``lora_cfg`` to NeMo Automodel (``nemo_automodel.components
 |--------------------|------------------------------------------------------|-----------------------------------------|
 | target_modules     | wildcard patterns over full module names (``*_proj``) | the matched names, listed exactly        |
 | exclude_modules    | every linear layer except these                       | the matched names, listed exactly        |
-| match_all_linear   | every ``nn.Linear``, the lm_head included             | the same names                           |
+| match_all_linear   | every ``nn.Linear``, the lm_head included             | refused: TRL never trains an lm_head adapter |
 | dim, alpha         | ``lora_B(lora_A(x)) * alpha / dim``                   | ``r``, ``lora_alpha`` (same scale)       |
 | dropout, position  | on the input (pre) or on the adapter's output (post) | ``lora_dropout`` is pre; post needs 0.0  |
 | lora_A_init        | ``xavier``: xavier-normal; else kaiming-uniform(a=√5) | the same draw on each ``lora_A``         |
-| use_triton         | a fused kernel for the same product                   | not used (no math changes)               |
+| use_triton         | a Triton kernel for the product (GPU; in float32 not bit-equal, benchmarks/lora.md) | the plain product |
 
 Every base weight is frozen and ``lora_B`` starts at zero, so the adapted policy starts equal to
 its base. A trainer given the adapted model uses the base with the adapter disabled as its
@@ -33,11 +33,8 @@ from alignpipe.context import StageContext, scratch_root
 from alignpipe.errors import UnsupportedSetting
 
 LORA_KEY = "policy.dtensor_cfg.lora_cfg"
-# Stages that train a LoRA adapter on the local engine. NeMo-RL v0.7.0 also trains dpo and grpo
-# with LoRA; here they wait on TRL 1.16's PEFT reference pass, which in our check returned the
-# policy's own log-probs (zero DPO rewards at every step), so they are refused, not run wrong.
-LORA_STAGES = ("sft",)
-NOT_YET = ("dpo", "rlvr", "rlhf")
+# Stages that train a LoRA adapter (NeMo-RL v0.7.0 trains these with LoRA too).
+LORA_STAGES = ("sft", "dpo", "rlvr", "rlhf")
 # Why rm has no LoRA: Automodel freezes every base weight, and a reward model's score head is
 # new (randomly initialised), so a LoRA reward model could never learn to score.
 RM_REASON = (
@@ -72,15 +69,7 @@ def lora_settings(ctx: StageContext) -> LoraSettings | None:
     if not cfg.get("enabled"):
         return None
     if ctx.name not in LORA_STAGES:
-        reason = {
-            "rm": RM_REASON,
-            **dict.fromkeys(
-                NOT_YET,
-                "the local engine does not train this stage's adapter yet (TRL 1.16's reference pass "
-                "with a PEFT adapter gave the policy's own log-probs; issue 25); its policy trains with "
-                "full weights from the merged sft adapter",
-            ),
-        }.get(ctx.name, f"stage '{ctx.name}' trains no policy")
+        reason = RM_REASON if ctx.name == "rm" else f"stage '{ctx.name}' trains no policy"
         raise UnsupportedSetting(f"{where}.enabled=true: {reason}")
     targets = tuple(cfg.get("target_modules") or ())
     excludes = tuple(cfg.get("exclude_modules") or ())
@@ -208,6 +197,17 @@ def adapter_of(ctx: StageContext, base_dir: Path, model) -> None:
     relative = Path(base_dir).resolve().relative_to(ctx.root.resolve()).as_posix()
     for config in model.peft_config.values():
         config.base_model_name_or_path = relative
+
+
+class AdapterDisabled:
+    """A PEFT model's base as a reference model: its forward with the adapter switched off."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        with self.model.disable_adapter():
+            return self.model(*args, **kwargs)
 
 
 def full_policy_dir(ctx: StageContext, directory: Path | str, dtype: str) -> Path:
