@@ -84,6 +84,7 @@ def automodel_lora(model, s: lora.LoraSettings) -> tuple[set[str], object]:
         {"target_modules": ("*.self_attn.q_proj", "*.mlp.down_proj")},
         {"target_modules": (), "exclude_modules": ("lm_head",)},
         {"target_modules": ("*.layers.0.*",)},
+        {"target_modules": ()},  # nothing named: Automodel's '*_proj'
     ],
 )
 def test_same_layers_and_same_function_as_automodel(automodel, over):

@@ -79,9 +79,6 @@ def lora_settings(ctx: StageContext) -> LoraSettings | None:
         problems.append("target_modules and exclude_modules are exclusive (Automodel refuses both)")
     if match_all and (targets or excludes):
         problems.append("match_all_linear=true needs target_modules and exclude_modules empty")
-    if not (match_all or targets or excludes):
-        # Automodel's default in that case, spelled out so both engines adapt the same layers
-        problems.append("nothing selected: set target_modules (e.g. ['*_proj']) or match_all_linear=true")
     dim, alpha = int(cfg.get("dim", 8)), float(cfg.get("alpha", 32))
     dropout, position = float(cfg.get("dropout", 0.0)), str(cfg.get("dropout_position", "post"))
     init = str(cfg.get("lora_A_init", "xavier"))
@@ -121,10 +118,12 @@ def target_modules(model, settings: LoraSettings) -> list[str]:
     """Full names of the linear layers the adapter goes on, chosen as Automodel chooses them;
     none is an error that lists the model's linear layers."""
     linear = linear_names(model)
+    # Nothing named: Automodel adapts '*_proj'.
+    targets = settings.target_modules or (() if settings.exclude_modules else ("*_proj",))
     if settings.match_all_linear:
         chosen = linear
-    elif settings.target_modules:
-        chosen = [n for n in linear if any(n == p or wildcard_match(p, n) for p in settings.target_modules)]
+    elif targets:
+        chosen = [n for n in linear if any(n == p or wildcard_match(p, n) for p in targets)]
     else:
         chosen = [
             n
