@@ -200,9 +200,14 @@ GRPO = {
 
 @pytest.fixture(scope="module")
 def lora_pipeline(trained_sft, tmp_path_factory) -> Path:
-    """sft and dpo with -S lora=on (short runs), then convert@dpo, in one repo copy."""
+    """sft and dpo with -S lora=on (short runs), then convert@dpo, in one repo copy. The base is
+    stored in bfloat16, as a real model's often is (SmolLM2's), while the stages train in float32."""
+    from transformers import AutoModelForCausalLM
+
     tmp = tmp_path_factory.mktemp("lora")
     root = writable_copy(trained_sft, tmp / "repo")
+    base = root / "models" / "base"
+    AutoModelForCausalLM.from_pretrained(base, dtype="bfloat16").save_pretrained(base)
     env = {"ALIGNPIPE_SCRATCH": str(tmp / "scratch")}
     (root / "params.yaml").write_text(compose_params_text(root.resolve(), ["lora=on"]))
     set_params(root, {**FAST_SFT, "dpo": {"dpo": {"max_num_steps": 20}}})
@@ -228,13 +233,15 @@ def test_sft_adapter_is_published_small_and_loads(lora_pipeline):
         "hash": dvc_hash(root / "models" / "base"),
     }
     assert not (adapter / "model.safetensors").exists()
-    size = sum(p.stat().st_size for p in adapter.rglob("*") if p.is_file())
+    size = (adapter / "adapter_model.safetensors").stat().st_size
     assert size < (root / "models" / "base" / "model.safetensors").stat().st_size / 4
     assert (
         json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "models/base"
     )
 
-    base = AutoModelForCausalLM.from_pretrained(root / "models" / "base", local_files_only=True)
+    base = AutoModelForCausalLM.from_pretrained(
+        root / "models" / "base", local_files_only=True, dtype="float32"
+    )
     unmerged = PeftModel.from_pretrained(base, adapter).eval()
     assert any((p != 0).any() for n, p in unmerged.named_parameters() if "lora_B" in n)  # it trained
     chain = adapter_chain(adapter, root)
@@ -291,6 +298,7 @@ def test_convert_merges_the_whole_chain(lora_pipeline):
     chain = adapter_chain(root / "models" / "dpo", root)
     unmerged = PeftModel.from_pretrained(merge_chain(chain[:-1], "float32"), chain[-1]).eval()
     loaded = AutoModelForCausalLM.from_pretrained(export, local_files_only=True).eval()
+    assert loaded.dtype == torch.float32  # merged in the dtype the adapters trained against
     ids = torch.tensor([[1, 5, 9, 13, 2, 7, 3]])
     with torch.no_grad():
         assert (loaded(input_ids=ids).logits - unmerged(input_ids=ids).logits).abs().max() < 1e-5

@@ -47,6 +47,7 @@ from alignpipe.engines.local import training
 from alignpipe.engines.local.publish import write_hf_manifest
 from alignpipe.errors import AlignpipeError, ConfigError
 from alignpipe.measure.heldout import MEASURES_FILE, SAMPLES_FILE
+from alignpipe.measure.logprobs import LOCAL_DTYPE
 
 HF_FORMATS = ("hf", "hf_consolidated", "peft")
 # artifact.json format -> NeMo-RL checkpoint format (alignpipe.engines.nemo_rl.convert). The
@@ -386,18 +387,21 @@ def run(ctx: StageContext) -> None:
     if argv:
         run_converter(ctx, argv)
 
-    # [full checkpoint, adapter, ...]: a LoRA stage's adapter stands for its chain merged.
+    # [full checkpoint, adapter, ...]: a LoRA stage's adapter stands for its chain merged, in the
+    # dtype its adapters were trained against (the local engine's float32, whatever the base's
+    # stored dtype: merging into bf16 weights would round every merged layer).
     chain = adapter_chain(model_dir, ctx.root)
+    load_as = LOCAL_DTYPE if len(chain) > 1 else "auto"
     if len(chain) > 1:  # the source is the last adapter, unmerged, on the rest merged
-        model = PeftModel.from_pretrained(merge_chain(chain[:-1], "auto"), chain[-1]).eval()
+        model = PeftModel.from_pretrained(merge_chain(chain[:-1], load_as), chain[-1]).eval()
     else:
-        model = merge_chain(chain, "auto").eval()
+        model = merge_chain(chain, load_as).eval()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     cast_to = dtype if dtype and str(model.dtype).removeprefix("torch.") != dtype else None
     # A cast happens in place, and a merge changes the weights, so the exported copy is loaded
     # separately then: verification compares against the untouched source.
     separate = cast_to or len(chain) > 1
-    exported = cast(merge_chain(chain, "auto"), cast_to) if separate else model
+    exported = cast(merge_chain(chain, load_as), cast_to) if separate else model
     final_dtype = str(exported.dtype).removeprefix("torch.")
 
     with staged_dir(ctx.output("export")) as out:
