@@ -302,3 +302,20 @@ def test_convert_merges_the_whole_chain(lora_pipeline):
     ids = torch.tensor([[1, 5, 9, 13, 2, 7, 3]])
     with torch.no_grad():
         assert (loaded(input_ids=ids).logits - unmerged(input_ids=ids).logits).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_measuring_stages_read_an_adapter_as_its_merged_chain(lora_pipeline, tmp_path):
+    """benchmark@sft reads models/sft itself (there is no convert@sft): with LoRA that is an
+    adapter, which load_policy reads as its chain merged."""
+    from alignpipe.measure.logprobs import load_policy
+
+    root = lora_pipeline
+    model, _ = load_policy(root / "models" / "sft")
+    merged = merge_chain(adapter_chain(root / "models" / "sft", root), "float32")
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7, 3]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, merged(input_ids=ids).logits)
+    run_cli(root, "run", "benchmark", "--source", "sft", env={"ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")})
+    scores = json.loads((root / "results" / "benchmark" / "sft" / "metrics.json").read_text())
+    assert scores["path"] == "models/sft" and scores["tasks"]["heldout_exact"]["samples"] == 64

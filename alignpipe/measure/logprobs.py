@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from alignpipe.adapters import adapter_chain, is_adapter, merge_chain
+from alignpipe.config import repo_root
 from alignpipe.errors import ConfigError
 from alignpipe.measure.generation import prompt_messages
 
@@ -21,10 +23,14 @@ LOCAL_DTYPE = "float32"
 
 
 def load_policy(where: Path | str):
-    """An HF causal LM and its tokenizer from a model directory, offline."""
+    """An HF causal LM and its tokenizer from a model directory, offline; a LoRA adapter's
+    directory gives its chain merged (``alignpipe.adapters``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where = Path(where)
+    if is_adapter(where):
+        model = merge_chain(adapter_chain(where, repo_root(where)), LOCAL_DTYPE)
+        return model, AutoTokenizer.from_pretrained(where, local_files_only=True)
     if not (where / "config.json").is_file():
         raise ConfigError(
             f"{where} is not a Hugging Face model directory (config.json missing); "

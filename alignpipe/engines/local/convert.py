@@ -168,9 +168,12 @@ def verify_export(
     settings: dict[str, Any],
     cast_to: str | None,
     system: str | None = None,
+    merged: bool = False,
 ) -> dict[str, Any]:
     """Load the export offline as a user would, generate, and compare logits with the source,
-    prompting as the model was trained (``system``: its system prompt)."""
+    prompting as the model was trained (``system``: its system prompt). A merged LoRA chain
+    (``merged``) is held to ``merged_logits_atol``: ``(W + s·BA) x`` and ``W x + s·B(A x)`` round
+    differently in float32 (1.2e-4 on SmolLM2-135M's 30 layers, 1e-6 on tiny)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -210,11 +213,12 @@ def verify_export(
     }
     if mask.any() and not bool(torch.isfinite(got[mask]).all()):
         raise ExportVerificationError(f"{export_dir}: the export produces non-finite logits")
-    atol = float(settings.get("logits_atol", 1e-4))
+    key = "merged_logits_atol" if merged else "logits_atol"
+    atol = float(settings.get(key, 1e-3 if merged else 1e-4))
     if cast_to is None and diff > atol:
         raise ExportVerificationError(
             f"{export_dir}: logits differ from the source checkpoint by up to {diff:.3g} "
-            f"(allowed {atol:g}, alignpipe.export.verify.logits_atol); the export is not the same model"
+            f"(allowed {atol:g}, alignpipe.export.verify.{key}); the export is not the same model"
         )
     return result
 
@@ -417,7 +421,7 @@ def run(ctx: StageContext) -> None:
                 if (ctx.input("checkpoint") / name).is_file():
                     shutil.copyfile(ctx.input("checkpoint") / name, out / name)
         system = manifest.get("system_prompt")
-        verification = verify_export(out, model, prompts, verify, cast_to, system)
+        verification = verify_export(out, model, prompts, verify, cast_to, system, merged=len(chain) > 1)
         write_text_atomic(
             out / "README.md", model_card(ctx, manifest, source_hash, verification, final_dtype)
         )
