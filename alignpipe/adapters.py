@@ -14,18 +14,46 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
-from alignpipe.artifacts import dvc_hash, staged_dir
+from alignpipe.artifacts import dvc_hash, shareable, staged_dir, write_text_atomic
 from alignpipe.errors import ConfigError
 
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # An adapter on an adapter on ... : far beyond any pipeline's depth, so a loop is named, not followed.
 MAX_CHAIN = 16
 
 
 def is_adapter(directory: Path | str) -> bool:
     return (Path(directory) / ADAPTER_CONFIG).is_file()
+
+
+def wildcard_match(pattern: str, name: str) -> bool:
+    """NeMo Automodel's module pattern (what NeMo-RL's ``lora_cfg.target_modules`` means): ``*``
+    after a dot spans any run of characters (dots included), as does a bare ``*``; the whole
+    full name must match."""
+    regex = re.sub(r"(?<!\.)\*", ".*", pattern)
+    regex = regex.replace(".*", "(.*)")
+    return re.fullmatch(regex, name) is not None
+
+
+def canonical_adapter(out: Path, base: str | None = None) -> None:
+    """A published adapter directory, made the same bytes on every run. peft lists
+    target_modules in set order (which varies with PYTHONHASHSEED) and adds a template README.md
+    naming the base by absolute path (the manifest carries the lineage); weights are written
+    0600 (published files follow the umask). ``base``: the repo-relative policy it applies to,
+    for adapter_config.json's ``base_model_name_or_path``."""
+    config = out / ADAPTER_CONFIG
+    data = json.loads(config.read_text())
+    if isinstance(data.get("target_modules"), list):
+        data["target_modules"] = sorted(data["target_modules"])
+    if base is not None:
+        data["base_model_name_or_path"] = base
+    write_text_atomic(config, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    (out / "README.md").unlink(missing_ok=True)
+    shareable(out / ADAPTER_WEIGHTS)
 
 
 def adapter_base(directory: Path | str, root: Path) -> Path:

@@ -29,6 +29,8 @@ def record_timing(stage: str, event: str, **extra: float) -> None:
             "unix": time.time(),
             "since_process_start_s": round(uptime - started_ticks / os.sysconf("SC_CLK_TCK"), 2),
             "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+            # the process's high-water mark so far (Linux reports KiB): at "end", the stage's peak
+            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
             **{k: round(v, 2) for k, v in extra.items()},
         }
     )

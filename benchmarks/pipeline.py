@@ -114,6 +114,7 @@ def per_stage(starts: list[tuple[float, str]], end: float, timing: Path) -> list
                 "wall_s": round(t_next - t, 1),
                 "process_wall_s": ev.get("end", {}).get("since_process_start_s"),
                 "process_cpu_s": ev.get("end", {}).get("cpu_s"),
+                "peak_rss_mb": ev.get("end", {}).get("peak_rss_mb"),
                 "startup_to_first_step_s": ev.get("first_step", {}).get("since_process_start_s"),
                 "startup_cpu_s": ev.get("first_step", {}).get("cpu_s"),
                 "heldout_s": heldout.get(stage),
@@ -135,8 +136,8 @@ def markdown(result: dict) -> str:
         f"`dvc repro --force`: **{result['repro_force_wall_s']:.0f} s** wall (exit {result['exit_code']}); "
         f"no-op `dvc repro`: {result['noop_repro_wall_s']} s (median {result['noop_repro_median_s']:.1f} s)",
         "",
-        "| stage | wall s (DVC) | process wall s | process CPU s | start -> first step s (CPU s) | held-out s (share) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| stage | wall s (DVC) | process wall s | process CPU s | peak RSS MB | start -> first step s (CPU s) | held-out s (share) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["stages"]:
         first = (
@@ -146,7 +147,7 @@ def markdown(result: dict) -> str:
         )
         lines.append(
             f"| {r['stage']} | {r['wall_s']} | {r['process_wall_s'] or ''} | {r['process_cpu_s'] or ''} "
-            f"| {first} | {share(r)} |"
+            f"| {r.get('peak_rss_mb') or ''} | {first} | {share(r)} |"
         )
     return "\n".join(lines)
 

@@ -269,18 +269,37 @@ def test_dpo_adapter_on_the_sft_adapter_learns_against_the_disabled_adapter(lora
 
 
 @pytest.mark.slow
-def test_rlvr_adapter_learns_against_the_disabled_adapter(trained_sft, tmp_path):
+def test_rlvr_adapter_learns_against_the_disabled_adapter_and_exports_alone(trained_sft, tmp_path):
     """GRPO with a LoRA adapter on the (full-weight) sft policy: TRL's reference is the policy with
-    the adapter off, and the adapter moves the policy away from it (held-out KL > 0)."""
+    the adapter off, and the adapter moves the policy away from it (held-out KL > 0). Its base is a
+    full checkpoint, so convert@rlvr exports the adapter alone beside the merged weights: on
+    models/sft it loads with PeftModel and gives the merged export's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
     root = writable_copy(trained_sft, tmp_path / "repo")
     set_params(
         root, {"rlvr": {**GRPO, "policy": {**GRPO["policy"], "dtensor_cfg": {"lora_cfg": {"enabled": True}}}}}
     )
-    run_cli(root, "run", "rlvr", env={"ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")})
+    env = {"ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")}
+    run_cli(root, "run", "rlvr", env=env)
     manifest = read_manifest(root / "models" / "rlvr")
     assert manifest["type"] == "checkpoint_lora" and manifest["adapter"]["applies_to"]["path"] == "models/sft"
     metrics = json.loads((root / "results" / "rlvr" / "metrics.json").read_text())
     assert metrics["heldout"]["kl_to_reference"] > 0, metrics
+
+    run_cli(root, "run", "convert", "--source", "rlvr", env=env)
+    export = root / "exports" / "rlvr"
+    assert read_manifest(export)["adapter"] == {"path": "adapter", "applies_to": "models/sft"}
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (export / "adapter" / name).read_bytes() == (root / "models" / "rlvr" / name).read_bytes()
+    assert "--enable-lora --lora-modules rlvr=exports/rlvr/adapter" in (export / "README.md").read_text()
+    sft = AutoModelForCausalLM.from_pretrained(root / "models" / "sft", local_files_only=True)
+    served = PeftModel.from_pretrained(sft, export / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(export, local_files_only=True).eval()
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7, 3]])
+    with torch.no_grad():
+        assert (served(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() < 1e-5
 
 
 @pytest.mark.slow
@@ -294,6 +313,8 @@ def test_convert_merges_the_whole_chain(lora_pipeline):
     export = root / "exports" / "dpo"
     exported = read_manifest(export)
     assert exported["merged"] == ["models/base", "models/sft", "models/dpo"]
+    # its adapter applies to the sft chain, which exists only merged: nothing to serve it on
+    assert exported["adapter"] is None and not (export / "adapter").exists()
     assert exported["verification"]["max_abs_logit_diff"] <= 1e-5
     chain = adapter_chain(root / "models" / "dpo", root)
     unmerged = PeftModel.from_pretrained(merge_chain(chain[:-1], "float32"), chain[-1]).eval()
@@ -319,3 +340,99 @@ def test_measuring_stages_read_an_adapter_as_its_merged_chain(lora_pipeline, tmp
     run_cli(root, "run", "benchmark", "--source", "sft", env={"ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")})
     scores = json.loads((root / "results" / "benchmark" / "sft" / "metrics.json").read_text())
     assert scores["path"] == "models/sft" and scores["tasks"]["heldout_exact"]["samples"] == 64
+
+
+# ----------------------------------------------------------------------------- nemo_rl engine
+
+
+def nemo_rl_lora_step(automodel, ctx, cfg, step_dir: Path):
+    """A NeMo-RL DTensor V2 LoRA checkpoint as v0.7.0 writes it: the run's policy (the rendered
+    policy.model_name) with Automodel's LoRA on it, trained (B non-zero), saved by Automodel's own
+    Checkpointer with is_peft (the worker's save path; synchronous, as there is no GPU here).
+    Returns the Automodel model, whose logits the published adapter must reproduce."""
+    import shutil
+
+    import yaml
+    from nemo_automodel.components._peft.lora import PeftConfig, apply_lora_to_linear_modules
+    from nemo_automodel.components.checkpoint.checkpointing import Checkpointer, CheckpointingConfig
+    from transformers import AutoModelForCausalLM
+
+    policy = cfg["policy"]["model_name"]
+    model = AutoModelForCausalLM.from_pretrained(policy, local_files_only=True, dtype="float32")
+    lora_cfg = {
+        **cfg["policy"]["dtensor_cfg"]["lora_cfg"],
+        "use_triton": False,
+        "lora_dtype": "torch.float32",
+    }
+    peft = PeftConfig.from_dict(lora_cfg)
+    apply_lora_to_linear_modules(model, peft)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    step_dir.mkdir(parents=True)
+    (step_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (step_dir / "training_info.json").write_text(json.dumps({"step": 4}))
+    saving = CheckpointingConfig(enabled=True, checkpoint_dir=str(step_dir), model_save_format="safetensors",
+                                 model_repo_id=policy, save_consolidated=True, is_peft=True, is_async=False)  # fmt: skip
+    Checkpointer(saving, dp_rank=0, tp_rank=0, pp_rank=0).save_model(
+        model, weights_path=str(step_dir / "policy" / "weights"), peft_config=peft
+    )
+    shutil.copytree(policy, step_dir / "policy" / "tokenizer", ignore=shutil.ignore_patterns("*.safetensors"))
+    return model.eval()
+
+
+@pytest.mark.slow
+def test_nemo_rl_lora_checkpoint_is_published_as_the_same_adapter(
+    automodel, trained_sft, tmp_path, monkeypatch
+):
+    """The nemo_rl engine publishes a DTensor V2 LoRA run as the local engine does: the adapter
+    alone (checkpoint_lora, peft), naming models/sft by path and hash. Read back as its chain
+    merged, it gives Automodel's LoRA model's logits; held-out accuracy is measured on it; and
+    a next NeMo-RL stage that starts from it gets the chain merged (NeMo-RL loads full weights)."""
+    from alignpipe.engines.nemo_rl import convert as CV
+    from alignpipe.engines.nemo_rl.engine import merge_adapter_inputs, publish, render_for
+    from alignpipe.engines.nemo_rl.render import RunPaths, dropped_training_knobs, unpublishable
+    from alignpipe.measure.logprobs import load_policy
+    from tests.test_nemo_rl_publish import compose_into
+
+    root = writable_copy(trained_sft, tmp_path / "repo")
+    monkeypatch.setenv("ALIGNPIPE_SCRATCH", str(tmp_path / "scratch"))
+    compose_into(root, "default")
+    heldout = {"limit": 4, "max_new_tokens": 4, "batch_size": 4}
+    lora_on = {"dtensor_cfg": {"lora_cfg": {"enabled": True}}}
+    set_params(root, {"rlvr": {"alignpipe": {"heldout": heldout}, "policy": lora_on}})
+    ctx = build_context(root, "rlvr", "default")
+    paths = RunPaths(ctx.scratch_dir)
+    cfg = render_for(ctx, paths.scratch)
+    assert unpublishable(cfg) is None and dropped_training_knobs("rlvr", ctx.config) == []
+    trained = nemo_rl_lora_step(automodel, ctx, cfg, paths.checkpoints / "step_4")
+    assert CV.checkpoint_format(paths.checkpoints / "step_4") == CV.PEFT
+
+    def no_commands(argv, cwd):
+        raise AssertionError(f"a LoRA checkpoint needs no converter, got {argv}")
+
+    manifest = publish(ctx, cfg, paths, runner=no_commands)
+    out = root / "models" / "rlvr"
+    assert manifest["type"] == "checkpoint_lora" and manifest["format"] == "peft"
+    assert manifest["adapter"]["applies_to"] == {
+        "path": "models/sft",
+        "hash": dvc_hash(root / "models" / "sft"),
+    }
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "models/sft"
+    assert not (out / "model.safetensors").exists() and (out / "tokenizer_config.json").is_file()
+    assert 0.0 <= manifest["metrics"]["heldout"]["accuracy"] <= 1.0
+    model, _ = load_policy(out)
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7, 3]])
+    with torch.no_grad():
+        assert (model(input_ids=ids).logits - trained(input_ids=ids).logits).abs().max() < 1e-5
+
+    # dpo (or any NeMo-RL stage) on this adapter: NeMo-RL gets the chain merged
+    nxt = {"policy": {"model_name": str(out)}}
+    merge_adapter_inputs(ctx, nxt, RunPaths(tmp_path / "next"))
+    merged = Path(nxt["policy"]["model_name"])
+    assert merged.parent == tmp_path / "next" / "converted" / "merged" and (merged / "config.json").is_file()
+    reloaded, _ = load_policy(merged)
+    with torch.no_grad():
+        assert (reloaded(input_ids=ids).logits - trained(input_ids=ids).logits).abs().max() < 1e-5

@@ -21,6 +21,7 @@ from alignpipe.config import compose_params_text
 from alignpipe.context import build_context
 from alignpipe.engines.nemo_rl import convert as CV
 from alignpipe.engines.nemo_rl import preflight
+from alignpipe.errors import UnsupportedSetting
 from tests.conftest import REPO, run_cli, set_params
 
 STAGES = ("sft", "rm", "dpo", "rlvr", "rlhf")
@@ -209,6 +210,15 @@ def test_lora_renders_pass_nemo_rl(stage, profile, how):
         ("sft", "default_megatron", {}, "NeMo-RL reads LoRA from policy.megatron_cfg.peft there"),
         ("rm", "default", {"_v2": True}, "freezes every base weight under LoRA"),
         ("sft", "default", {"tensor_parallel_size": 2}, "use_triton=true with tensor_parallel_size=2"),
+        # an lm_head adapter: TRL cannot train it, and peft merges it into tied embeddings
+        ("sft", "default", {"lora_cfg": {"enabled": True, "match_all_linear": True}}, "adapts the lm_head"),
+        ("rlvr", "default", {"lora_cfg": {"enabled": True, "target_modules": ["*"]}}, "adapts the lm_head"),
+        (
+            "rlhf",
+            "default",
+            {"lora_cfg": {"enabled": True, "target_modules": [], "exclude_modules": ["*.mlp.*"]}},
+            "adapts the lm_head",
+        ),
     ],
 )
 def test_plan_check_refuses_lora_nemo_rl_would_ignore_or_reject(stage, profile, how, message):
@@ -217,3 +227,15 @@ def test_plan_check_refuses_lora_nemo_rl_would_ignore_or_reject(stage, profile, 
         params["rm"]["policy"]["dtensor_cfg"].pop("_v2")  # rm's profile has no _v2 key: V1 as upstream
     report = preflight.check(build_context(REPO, stage, profile, params=params))
     assert not report.ok and any(message in e for e in report.errors), report.text()
+
+
+def test_engine_refuses_to_run_megatron_lora_it_could_not_publish():
+    """Megatron LoRA passes NeMo-RL's own checks, but its adapter exists only as a Megatron
+    checkpoint over a base in NeMo-RL's private cache: refused before anything runs."""
+    from alignpipe.engines.nemo_rl.engine import run
+
+    ctx = build_context(
+        REPO, "sft", "default_megatron", params=lora_params("sft", "default_megatron", "peft")
+    )
+    with pytest.raises(UnsupportedSetting, match="does not publish Megatron LoRA checkpoints yet"):
+        run(ctx)

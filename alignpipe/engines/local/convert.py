@@ -11,7 +11,9 @@ The source's ``artifact.json`` ``format`` picks the path in:
 * ``hf`` (local engine) and NeMo-RL's ``hf_consolidated`` (DTensor V2 with
   ``save_consolidated``): already Hugging Face, loaded directly;
 * ``peft`` (a LoRA stage's adapter, ``alignpipe.adapters``): the adapter chain is merged into
-  full weights (peft's ``merge_and_unload``), and verified against the unmerged base + adapter;
+  full weights (peft's ``merge_and_unload``), and verified against the unmerged base + adapter.
+  When the adapter applies to a full checkpoint, it is exported alone too (``adapter/``), for
+  serving on that base with vLLM's ``--enable-lora`` or peft's ``PeftModel``;
 * NeMo-RL's ``dcp`` and ``megatron`` (``torch_dist``): NeMo-RL's own converter
   (``alignpipe.engines.nemo_rl.convert.converter_argv``) writes an HF directory first.
   It needs NeMo-RL, so it runs where NeMo-RL is: in this process's environment when it
@@ -243,7 +245,12 @@ def _fmt(value: Any) -> str:
 
 
 def model_card(
-    ctx: StageContext, manifest: dict[str, Any], source_hash: str, verification: dict[str, Any], dtype: str
+    ctx: StageContext,
+    manifest: dict[str, Any],
+    source_hash: str,
+    verification: dict[str, Any],
+    dtype: str,
+    adapter: dict[str, Any] | None = None,
 ) -> str:
     """README.md: what this model is, where it came from (content hashes), how good, how to load it."""
     # Over 60 lines: one markdown template, read top to bottom like the card it writes.
@@ -324,7 +331,43 @@ def model_card(
         "```",
         "",
     ]
+    if adapter:
+        lines += adapter_section(ctx.source, adapter)
     return "\n".join(lines)
+
+
+def adapter_section(source: str, adapter: dict[str, Any]) -> list[str]:
+    base, path = adapter["applies_to"], f"exports/{source}/{adapter['path']}"
+    return [
+        "## The adapter alone",
+        "",
+        f"`{adapter['path']}/` is the LoRA adapter these weights merge, on `{base}`: serve it on that "
+        "base instead of the merged copy, e.g. with vLLM (`--max-lora-rank` at least its `r`):",
+        "",
+        "```bash",
+        f"vllm serve {base} --enable-lora --lora-modules {source}={path}",
+        "```",
+        "",
+        f'or with peft: `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "{path}")`.',
+        "",
+    ]
+
+
+ADAPTER_EXPORT = "adapter"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def export_adapter(chain: list[Path], root: Path, out: Path) -> dict[str, Any] | None:
+    """``out/adapter``: the source's adapter as published (the bytes peft and vLLM load), when the
+    base it applies to is a full checkpoint a server can load. On a deeper chain (a LoRA dpo on a
+    LoRA sft) that base exists only merged, so the merged export is the one to serve."""
+    if len(chain) != 2:
+        return None
+    (out / ADAPTER_EXPORT).mkdir()
+    for name in ADAPTER_FILES:
+        shutil.copyfile(chain[-1] / name, out / ADAPTER_EXPORT / name)
+    base = str(chain[0].relative_to(root.resolve()))
+    return {"path": ADAPTER_EXPORT, "applies_to": base}
 
 
 def make_shareable(directory: Path) -> None:
@@ -420,10 +463,12 @@ def run(ctx: StageContext) -> None:
             for name in (SAMPLES_FILE, MEASURES_FILE):
                 if (ctx.input("checkpoint") / name).is_file():
                     shutil.copyfile(ctx.input("checkpoint") / name, out / name)
+        # verified below: the source ``model`` is exactly this adapter unmerged on its base
+        adapter = export_adapter(chain, ctx.root, out) if export.get("adapter", True) else None
         system = manifest.get("system_prompt")
         verification = verify_export(out, model, prompts, verify, cast_to, system, merged=len(chain) > 1)
         write_text_atomic(
-            out / "README.md", model_card(ctx, manifest, source_hash, verification, final_dtype)
+            out / "README.md", model_card(ctx, manifest, source_hash, verification, final_dtype, adapter)
         )
         write_hf_manifest(
             out,
@@ -443,6 +488,7 @@ def run(ctx: StageContext) -> None:
                 "converter": argv or None,
                 # the adapters merged into this export, the full checkpoint under them first
                 "merged": [str(d.relative_to(ctx.root.resolve())) for d in chain] if len(chain) > 1 else None,
+                "adapter": adapter,
                 "verification": verification,
             },
         )

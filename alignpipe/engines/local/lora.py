@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from alignpipe.adapters import merged_dir
+from alignpipe.adapters import merged_dir, wildcard_match
 from alignpipe.config import get_path
 from alignpipe.context import StageContext, scratch_root
 from alignpipe.errors import UnsupportedSetting
@@ -98,14 +98,6 @@ def lora_settings(ctx: StageContext) -> LoraSettings | None:
     if problems:
         raise UnsupportedSetting(f"{where}:\n  - " + "\n  - ".join(problems))
     return LoraSettings(targets, excludes, match_all, dim, alpha, dropout, position, init)
-
-
-def wildcard_match(pattern: str, name: str) -> bool:
-    """Automodel's module pattern: ``*`` after a dot spans any run of characters (dots included),
-    as does a bare ``*``; the whole full name must match."""
-    regex = re.sub(r"(?<!\.)\*", ".*", pattern)
-    regex = regex.replace(".*", "(.*)")
-    return re.fullmatch(regex, name) is not None
 
 
 def linear_names(model) -> list[str]:

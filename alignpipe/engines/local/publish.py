@@ -3,11 +3,11 @@ config, swapped in atomically."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from alignpipe.artifacts import RESOLVED_CONFIG, shareable, staged_dir, write_manifest, write_text_atomic
+from alignpipe.adapters import canonical_adapter
+from alignpipe.artifacts import RESOLVED_CONFIG, staged_dir, write_manifest, write_text_atomic
 from alignpipe.context import StageContext
 
 
@@ -49,20 +49,6 @@ def publish_model(
                      source_model=source_model or ctx.source_model,
                      system_prompt=ctx.system_prompt)  # fmt: skip
     return final
-
-
-def canonical_adapter(out: Path) -> None:
-    """What peft saves, made the same bytes on every run: its adapter_config.json lists
-    target_modules in set order (which varies with PYTHONHASHSEED), its README.md is a template
-    card naming the base by absolute path (the manifest carries the lineage), and its weights
-    are written 0600 (published files follow the umask)."""
-    config = out / "adapter_config.json"
-    data = json.loads(config.read_text())
-    if isinstance(data.get("target_modules"), list):
-        data["target_modules"] = sorted(data["target_modules"])
-    write_text_atomic(config, json.dumps(data, indent=2, sort_keys=True) + "\n")
-    (out / "README.md").unlink(missing_ok=True)
-    shareable(out / "adapter_model.safetensors")
 
 
 def adapter_record(ctx: StageContext, model) -> dict[str, Any] | None:

@@ -23,7 +23,11 @@ MEGATRON_TO_HF = "examples/converters/convert_megatron_to_hf.py"
 HF_CONSOLIDATED = "hf_consolidated"  # DTensor V2 + save_consolidated: weights/model/consolidated
 DCP = "dcp"  # DTensor V1 (or V2 with model_save_format torch_save): torch DCP .distcp + .metadata
 MEGATRON = "megatron"  # Megatron-Bridge torch_dist: weights/iter_0000000/
-FORMATS = (HF_CONSOLIDATED, DCP, MEGATRON)
+# DTensor V2 with lora_cfg.enabled: Automodel's Checkpointer writes the adapter alone as an HF
+# PEFT directory (weights/model/adapter_model.safetensors + adapter_config.json), whatever
+# model_save_format and save_consolidated say; no converter reads or merges it (peft does).
+PEFT = "peft"
+FORMATS = (HF_CONSOLIDATED, DCP, MEGATRON, PEFT)
 
 
 class CheckpointFormatError(AlignpipeError):
@@ -54,6 +58,8 @@ def checkpoint_format(step_dir: Path) -> str:
     if (policy.get("megatron_cfg") or {}).get("enabled"):
         megatron_iter_dir(weights)
         return MEGATRON
+    if (weights / "model" / "adapter_model.safetensors").is_file():
+        return PEFT
     if (weights / "model" / "consolidated").is_dir():
         return HF_CONSOLIDATED
     if (weights / ".metadata").is_file() or (weights / "model" / ".metadata").is_file():
@@ -102,6 +108,7 @@ def converter_argv(
       Megatron worker venv, ``MCORE_PYTHON`` (uv would re-sync /opt/nemo_rl_venv instead).
     * ``hf_consolidated``: no converter (``[]``); copy ``policy/weights/model/consolidated`` and
       ``policy/tokenizer``.
+    * ``peft``: no converter (``[]``); the adapter in ``policy/weights/model`` is published as it is.
     """
     step = Path(checkpoint_dir)
     config = str(step / "config.yaml")
@@ -130,6 +137,6 @@ def converter_argv(
         if hf_model_name:
             argv += ["--hf-model-name", hf_model_name]
         return argv
-    if fmt == HF_CONSOLIDATED:
+    if fmt in (HF_CONSOLIDATED, PEFT):
         return []
     raise CheckpointFormatError(f"unknown checkpoint format '{fmt}'; expected one of {', '.join(FORMATS)}")

@@ -5,11 +5,12 @@ launches, and publishes.
 
 1. render the stage's config (render.py) into ``<scratch>/nemo_rl_config.yaml``;
 2. prepare inputs NeMo-RL cannot read directly (NeMo-Gym rows; a Megatron warm start for a
-   DTensor-only stage is converted to HF first);
+   DTensor-only stage is converted to HF first; a LoRA adapter input is merged with its chain);
 3. run the entry script (``python examples/run_<algo>.py --config ...``) with cwd = the
    NeMo-RL checkout, streaming its output; a non-zero exit is the stage's exit code;
 4. publish: pick the checkpoint (best by ``checkpointing.metric_name``, else latest),
-   copy or convert it into the stage's output, import TensorBoard metrics into DVCLive,
+   copy or convert it into the stage's output (a DTensor LoRA run: its PEFT adapter, as
+   ``checkpoint_lora``), import TensorBoard metrics into DVCLive,
    add held-out accuracy, write ``artifact.json`` + ``resolved_config.yaml``;
 5. delete the scratch dir (only after everything is published).
 
@@ -27,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from alignpipe.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, canonical_adapter, is_adapter, merged_dir
 from alignpipe.artifacts import RESOLVED_CONFIG, staged_dir, write_manifest, write_text_atomic
 from alignpipe.config import get_path
 from alignpipe.engines.nemo_rl import convert as CV
@@ -135,6 +137,25 @@ def convert_megatron_inputs(
             node["tokenizer"]["name"] = str(out if has_tokenizer else Path(value) / "policy" / "tokenizer")
 
 
+def merge_adapter_inputs(ctx, cfg: dict[str, Any], paths: RunPaths) -> None:
+    """NeMo-RL loads ``policy.model_name`` (and the RM environment's model) as full HF weights
+    only: a LoRA stage's adapter input (a ``checkpoint_lora``) is merged with its chain first,
+    as the local engine's trainers do, into the run's scratch dir."""
+    from alignpipe.measure.logprobs import LOCAL_DTYPE
+
+    for key in ("policy.model_name", "env.reward_model.model_name"):
+        value = get_path(cfg, key)
+        if not value or not is_adapter(value):
+            continue
+        merged = merged_dir(Path(value), ctx.root, paths.converted / "merged", LOCAL_DTYPE)
+        print(f"nemo_rl: {key} {value} is a LoRA adapter: merged with its chain -> {merged}")
+        section = key.rsplit(".", 1)[0]
+        node = cfg
+        for part in section.split("."):
+            node = node[part]
+        node["model_name"] = str(merged)
+
+
 def write_gym_data(ctx, cfg: dict[str, Any], paths: RunPaths) -> None:
     from alignpipe.engines.nemo_rl.nemo_gym_data import agent_ref, convert_file
 
@@ -188,6 +209,11 @@ def export_checkpoint(
         _copy_tree_contents(policy / "weights" / "model" / "consolidated", out)
         if (policy / "tokenizer").is_dir():
             _copy_tree_contents(policy / "tokenizer", out)
+    elif fmt == CV.PEFT:
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            shutil.copy2(policy / "weights" / "model" / name, out / name)
+        if (policy / "tokenizer").is_dir():
+            _copy_tree_contents(policy / "tokenizer", out)
     elif fmt == CV.DCP:
         converted = paths.converted / f"{choice.path.name}-hf"
         shutil.rmtree(converted, ignore_errors=True)  # the converter refuses an existing dir
@@ -209,21 +235,44 @@ def export_checkpoint(
 
 
 def heldout_for(ctx, model_dir: Path) -> dict[str, float] | None:
-    """The local engine's held-out accuracy on the published HF policy (CPU, transformers)."""
+    """The local engine's held-out accuracy on the published HF policy (CPU, transformers); an
+    adapter is measured as its chain merged."""
     settings = dict(get_path(ctx.config, "alignpipe.heldout", {}) or {})
     if ctx.name not in POLICY_STAGES or not settings.get("enabled", False):
         return None
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from alignpipe.measure.heldout import heldout_accuracy, heldout_rows, heldout_settings
+    from alignpipe.measure.logprobs import load_policy
 
     settings = heldout_settings(ctx)
     rows = heldout_rows(ctx, settings)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    model, tokenizer = load_policy(model_dir)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
     return heldout_accuracy(model, tokenizer, rows, settings, system=ctx.system_prompt)
+
+
+def adapter_record(ctx, out: Path) -> dict[str, Any]:
+    """The published adapter's lineage (as the local engine records it): the policy it applies
+    to, by repo-relative path (set in its adapter_config.json) and content hash, and its shape.
+    The policy is the rendered ``policy.model_name`` input, before any merge for NeMo-RL."""
+    import json
+
+    base = Path(get_path(render_for(ctx), "policy.model_name")).resolve()
+    try:
+        relative = base.relative_to(ctx.root.resolve()).as_posix()
+    except ValueError as e:
+        raise ConfigError(
+            f"stage '{ctx.name}': policy.model_name {base} is outside the repository, so a LoRA adapter "
+            "trained on it could not name its base; start LoRA from a pipeline model (models/...)"
+        ) from e
+    canonical_adapter(out, base=relative)
+    config = json.loads((out / ADAPTER_CONFIG).read_text())
+    return {
+        "applies_to": {"path": relative, "hash": ctx.content_hash(base)},
+        "peft_type": config.get("peft_type"),
+        "rank": config.get("r"),
+        "alpha": config.get("lora_alpha"),
+    }
 
 
 def _port(ctx, types: tuple[str, ...]):
@@ -251,12 +300,14 @@ def publish(
     model_port = _port(ctx, ("checkpoint_hf", "checkpoint_megatron"))
     metrics_port = next((p for p in ctx.contract.produces if p.type == "dvclive"), None)
     is_hf = fmt != CV.MEGATRON
+    is_lora = fmt == CV.PEFT
     print(
         f"nemo_rl: publishing {choice.path.name} ({choice.reason}, format {fmt}) -> {ctx.output(model_port.name)}"
     )
 
     with staged_dir(ctx.output(model_port.name)) as out:
         export_checkpoint(choice, fmt, out, paths, runner, workdir)
+        adapter = adapter_record(ctx, out) if is_lora else None
         if ctx.name == "rm" and is_hf:
             mark_sequence_classifier(out)
         heldout = heldout_for(ctx, out) if is_hf else None
@@ -273,8 +324,8 @@ def publish(
         write_text_atomic(out / NEMO_RL_CONFIG, rendered)
         manifest = write_manifest(
             out,
-            type="checkpoint_hf" if is_hf else "checkpoint_megatron",
-            format="hf" if is_hf else "megatron_bridge",
+            type="checkpoint_lora" if is_lora else "checkpoint_hf" if is_hf else "checkpoint_megatron",
+            format="peft" if is_lora else "hf" if is_hf else "megatron_bridge",
             stage=ctx.name,
             engine="nemo_rl",
             inputs=ctx.input_hashes,
@@ -283,6 +334,7 @@ def publish(
             source_model=ctx.source_model,
             system_prompt=ctx.system_prompt,
             extra={
+                **({"adapter": adapter} if adapter else {}),
                 "nemo_rl": {
                     "version": "0.7.0",
                     "checkpoint": choice.path.name,
@@ -290,7 +342,7 @@ def publish(
                     "selected_by": choice.reason,
                     "checkpoint_format": fmt,
                     "entry": entry_argv(ctx.name, cfg, paths.config)[1:],
-                }
+                },
             },
         )
     return manifest
@@ -303,6 +355,7 @@ def prepare(ctx, paths: RunPaths, runner: CommandRunner, workdir: Path) -> dict[
     cfg = render_for(ctx, paths.scratch)
     paths.scratch.mkdir(parents=True, exist_ok=True)
     convert_megatron_inputs(cfg, paths, runner, workdir)
+    merge_adapter_inputs(ctx, cfg, paths)
     if uses_nemo_gym(cfg):
         write_gym_data(ctx, cfg, paths)
     write_text_atomic(paths.config, to_yaml(cfg, config_header(ctx)))

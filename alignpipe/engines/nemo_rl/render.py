@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from alignpipe.adapters import wildcard_match
 from alignpipe.config import get_path
 from alignpipe.errors import ConfigError
 
@@ -118,6 +119,21 @@ def dropped_training_knobs(stage: str, cfg: dict[str, Any]) -> list[str]:
     return problems
 
 
+def lm_head_adapted(cfg: dict[str, Any]) -> bool:
+    """Whether Automodel would put the DTensor LoRA adapter on ``lm_head`` too (its selection
+    rules, as ``alignpipe.engines.local.lora.target_modules`` applies them)."""
+    lora = get_path(cfg, "policy.dtensor_cfg.lora_cfg", {}) or {}
+    targets = list(lora.get("target_modules") or [])
+    excluded = list(lora.get("exclude_modules") or [])
+    if lora.get("match_all_linear"):
+        return True
+    if targets:
+        return any(p == "lm_head" or wildcard_match(p, "lm_head") for p in targets)
+    if excluded:  # every linear layer but these
+        return not any(p == "lm_head" or wildcard_match(p, "lm_head") for p in excluded)
+    return False  # nothing named: '*_proj'
+
+
 def lora_problems(stage: str, cfg: dict[str, Any]) -> list[str]:
     """LoRA keys NeMo-RL v0.7.0 would ignore (the other backend's) or refuse at start-up."""
     lora = bool(get_path(cfg, "policy.dtensor_cfg.lora_cfg.enabled"))
@@ -145,6 +161,13 @@ def lora_problems(stage: str, cfg: dict[str, Any]) -> list[str]:
             f"policy.dtensor_cfg.lora_cfg.use_triton=true with tensor_parallel_size={tp}: NeMo-RL asserts "
             "Triton LoRA needs tensor_parallel_size 1; set use_triton: false"
         )
+    if lora and not megatron and lm_head_adapted(cfg):
+        problems.append(
+            "policy.dtensor_cfg.lora_cfg adapts the lm_head (match_all_linear: true, or a target_modules "
+            "pattern matching 'lm_head'): the local engine cannot train that adapter (TRL reads "
+            "lm_head.weight directly), and on a model with tied embeddings peft merges it into the shared "
+            "embedding. Use target_modules ['*_proj'] with match_all_linear: false"
+        )
     if stage == "rm" and (lora or peft):
         problems.append(
             "LoRA on the reward model: NeMo-RL freezes every base weight under LoRA, the freshly "
@@ -155,12 +178,12 @@ def lora_problems(stage: str, cfg: dict[str, Any]) -> list[str]:
 
 def unpublishable(cfg: dict[str, Any]) -> str | None:
     """Why this engine could not publish what NeMo-RL would train, if it could not."""
-    if get_path(cfg, "policy.dtensor_cfg.lora_cfg.enabled") or get_path(
-        cfg, "policy.megatron_cfg.peft.enabled"
-    ):
+    if get_path(cfg, "policy.megatron_cfg.enabled") and get_path(cfg, "policy.megatron_cfg.peft.enabled"):
         return (
-            "NeMo-RL accepts this LoRA config (alignpipe plan --check), but alignpipe does not yet "
-            "publish or convert NeMo-RL's LoRA checkpoints (issue 25); train full weights on GPU for now"
+            "NeMo-RL accepts this Megatron LoRA config (alignpipe plan --check), but alignpipe does not "
+            "publish Megatron LoRA checkpoints yet: NeMo-RL's convert_lora_to_hf.py needs the base as the "
+            "Megatron checkpoint NeMo-RL keeps in its own cache, outside the pipeline's artifacts. Train "
+            "LoRA on the DTensor backend (policy.dtensor_cfg.lora_cfg), whose adapters alignpipe publishes"
         )
     return None
 
