@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from alignpipe.engines.local.evaluate import flag_reward_hacking
-from alignpipe.measure.heldout import SAMPLES_FILE, heldout_completions
+from alignpipe.errors import ConfigError
+from alignpipe.measure.heldout import SAMPLES_FILE, heldout_completions, sampling_backend
 from alignpipe.measure.logprobs import load_policy
 from alignpipe.report import comparison_chart, markdown_table
 from tests.conftest import run_cli, set_params, writable_copy
@@ -179,3 +180,51 @@ def test_evaluate_compares_policies_on_shared_samples(trained_sft: Path, tmp_pat
     assert all(f"| `{name}` |" in report for name in got)
     assert (out / "comparison.png").read_bytes().startswith(PNG_MAGIC)
     assert json.loads((out / "artifact.json").read_text())["type"] == "report"
+
+
+# ----------------------------------------------------------------------------- GPU profiles
+
+
+@pytest.mark.parametrize("profile", ["default", "default_megatron", "nemo_gym"])
+def test_gpu_evaluate_samples_with_vllm_in_the_image(repo_copy: Path, profile: str):
+    """On the GPU profiles evaluate runs inside the pinned image through the NeMo-RL engine's
+    launcher, GPUs attached, and vLLM draws with the trainers' held-out sampling settings."""
+    from alignpipe.context import build_context
+    from alignpipe.measure.generation import VLLM_ENGINE_KEYS
+
+    out = repo_copy / "plan"
+    run_cli(repo_copy, "plan", "evaluate", "--profile", profile, "--write", str(out))
+    launch = (out / "evaluate.launch.sh").read_text().splitlines()[-1]
+    assert launch.startswith("docker run --rm --init") and "--gpus all" in launch
+    assert launch.endswith(f"alignpipe-nemo-rl:v0.7.0 alignpipe run evaluate --inner --profile {profile}")
+    call = json.loads((out / "evaluate.vllm.json").read_text())
+    assert set(call["llm"]) - {"seed"} <= set(VLLM_ENGINE_KEYS) and call["llm"]["tensor_parallel_size"] == 1
+    trainer = build_context(repo_copy, "sft", profile).config["alignpipe"]["heldout"]
+    assert call["sampling"] == {k: trainer[k] for k in ("max_new_tokens", "temperature", "top_p", "seed")}
+    assert call["policies"] == ["models/sft", "exports/dpo", "exports/rlvr", "exports/rlhf"]
+
+
+def test_vllm_sampling_without_a_container_or_with_bad_settings_is_refused(repo_copy: Path):
+    set_params(repo_copy, {"evaluate": {"alignpipe": {"heldout": {"backend": "vllm"}}}})
+    result = run_cli(repo_copy, "run", "evaluate", check=False)
+    assert (
+        result.returncode == 2
+        and "alignpipe.heldout.backend is vllm, but vLLM is not installed here" in result.stderr
+    )
+    result = run_cli(repo_copy, "run", "evaluate", "--inner", check=False)
+    assert result.returncode == 2 and "runtime.image must be the pipeline's NeMo-RL image" in result.stderr
+    with pytest.raises(ConfigError, match=r"alignpipe.heldout.vllm: unknown keys \['tp'\]"):
+        sampling_backend({"backend": "vllm", "vllm": {"tp": 2}})
+    assert not (repo_copy / "results" / "evaluate" / "metrics.json").exists()
+
+
+def test_samples_are_keyed_by_the_backend_that_drew_them():
+    """vLLM's draws are not transformers' (another RNG): a vLLM evaluate never reuses the samples
+    a trainer drew with transformers, while hf keys stay what they were (the committed lock)."""
+    from alignpipe.measure.heldout import sampling_key
+
+    rows = [{"id": "a", "prompt": "sort 21"}]
+    settings = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "batch_size": 128, "seed": 1234}
+    hf = sampling_key(rows, settings)
+    assert sampling_key(rows, {**settings, "backend": "hf"}) == hf
+    assert sampling_key(rows, {**settings, "backend": "vllm"}) != hf

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from alignpipe.artifacts import MANIFEST
 
@@ -74,3 +75,67 @@ def generate(
         new = out[:, enc["input_ids"].shape[1] :]
         outputs.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
     return outputs
+
+
+def chat_token_ids(tokenizer, prompts: list[str], system: str | None = None) -> list[list[int]]:
+    """The prompts as ``generate`` feeds them: chat template with the generation prompt, and no
+    special tokens added on top (the template has its own)."""
+    texts = [
+        tokenizer.apply_chat_template(prompt_messages(p, system), tokenize=False, add_generation_prompt=True)
+        for p in prompts
+    ]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+# vllm.LLM arguments a profile may set (alignpipe.heldout.vllm); the rest are vLLM's defaults.
+VLLM_ENGINE_KEYS = (
+    "dtype",
+    "tensor_parallel_size",
+    "gpu_memory_utilization",
+    "max_model_len",
+    "enforce_eager",
+)
+
+
+def generate_vllm(
+    model_dir: Path | str,
+    prompts: list[str],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    seed: int = 0,
+    system: str | None = None,
+    engine: dict[str, Any] | None = None,
+) -> list[str]:
+    """``generate``'s sampling on vLLM (GPU profiles, inside the NeMo-RL image, which has it):
+    the same prompt tokens, temperature, top-p, no top-k and token budget, one seeded request
+    per prompt (seeds drawn from ``seed``); greedy when temperature is 0. The draws differ from
+    transformers' (another RNG), so samples are keyed by the backend too
+    (``heldout.sampling_key``)."""
+    import gc
+    import random
+
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    ids = chat_token_ids(tokenizer, prompts, system)
+    llm = LLM(model=str(model_dir), seed=seed, **{k: v for k, v in (engine or {}).items() if v is not None})
+    rng = random.Random(seed)
+    greedy = temperature <= 0
+    params = [
+        SamplingParams(
+            temperature=0.0 if greedy else temperature,
+            top_p=1.0 if greedy else top_p,
+            top_k=-1,
+            max_tokens=max_new_tokens,
+            seed=rng.randrange(2**31),
+            skip_special_tokens=True,
+        )
+        for _ in prompts
+    ]
+    outputs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+    del llm  # frees the GPU for the next policy's engine, or the KL and RM models
+    gc.collect()
+    return [o.outputs[0].text for o in outputs]

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from alignpipe.config import get_path
-from alignpipe.context import StageContext
+from alignpipe.context import StageContext, scratch_root
+from alignpipe.errors import ConfigError
 from alignpipe.jsonl import read_jsonl
-from alignpipe.measure.generation import generate, model_system_prompt
+from alignpipe.measure.generation import generate, generate_vllm, model_system_prompt
 
 
 def heldout_settings(ctx: StageContext) -> dict[str, Any]:
@@ -36,6 +37,20 @@ def heldout_rows(ctx: StageContext, settings: dict[str, Any] | None = None) -> l
     settings = settings or heldout_settings(ctx)
     rows = read_jsonl(ctx.root / settings["data_path"])
     return rows[: int(settings["limit"])] if settings.get("limit") else rows
+
+
+# hf: transformers' generate, in the stage's process; vllm: vLLM on the published directory (GPU
+# profiles' evaluate, inside the NeMo-RL image). Same settings, another RNG: other samples.
+BACKENDS = ("hf", "vllm")
+
+
+def sampling_backend(settings: dict[str, Any]) -> str:
+    backend = str(settings.get("backend") or "hf")
+    if backend not in BACKENDS:
+        raise ConfigError(f"alignpipe.heldout.backend is {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend == "vllm":
+        vllm_engine(settings)  # refused here, before any launch, not inside the container
+    return backend
 
 
 SAMPLES_FILE = "heldout_samples.jsonl"
@@ -61,6 +76,8 @@ class HeldoutSamples:
 
 def sampling_key(rows: list[dict[str, Any]], settings: dict[str, Any], system: str | None = None) -> str:
     sampling = {k: settings.get(k) for k in SAMPLING_KEYS}
+    if sampling_backend(settings) != "hf":  # hf samples keep the key they had before backends
+        sampling["backend"] = sampling_backend(settings)
     ids = [r.get("id") or r["prompt"] for r in rows]
     # Without a system prompt the key is what it was before there could be one.
     parts = [sampling, ids] if system is None else [sampling, ids, system]
@@ -158,8 +175,48 @@ def sample_heldout(
     settings = heldout_settings(ctx)
     rows = heldout_rows(ctx, settings)
     system = model_system_prompt(model_dir) if model_dir is not None else ctx.system_prompt
-    completions = heldout_completions(model, tokenizer, rows, settings, system)
+    if sampling_backend(settings) == "vllm" and model_dir is not None:
+        completions = vllm_completions(ctx, Path(model_dir), rows, settings, system)
+    else:
+        completions = heldout_completions(model, tokenizer, rows, settings, system)
+        settings = {**settings, "backend": "hf"}  # what drew them
     return HeldoutSamples(rows, completions, sampling_key(rows, settings, system), system=system)
+
+
+def vllm_completions(
+    ctx: StageContext,
+    model_dir: Path,
+    rows: list[dict[str, Any]],
+    settings: dict[str, Any],
+    system: str | None,
+) -> list[str]:
+    """``heldout_completions``' sampling on vLLM, over the model's directory (an adapter's chain
+    merged first: vLLM loads full weights here), with the ``alignpipe.heldout.vllm`` engine settings."""
+    from alignpipe.adapters import merged_dir
+    from alignpipe.measure.logprobs import LOCAL_DTYPE
+
+    full = merged_dir(model_dir, ctx.root, scratch_root(ctx.params) / "merged", LOCAL_DTYPE)
+    return generate_vllm(
+        full,
+        [r["prompt"] for r in rows],
+        max_new_tokens=int(settings.get("max_new_tokens", 16)),
+        temperature=float(settings.get("temperature", 1.0)),
+        top_p=float(settings.get("top_p", 1.0)),
+        seed=int(settings.get("seed", 1234)),
+        system=system,
+        engine=vllm_engine(settings),
+    )
+
+
+def vllm_engine(settings: dict[str, Any]) -> dict[str, Any]:
+    """``alignpipe.heldout.vllm``: the ``vllm.LLM`` arguments a profile may set."""
+    from alignpipe.measure.generation import VLLM_ENGINE_KEYS
+
+    engine = dict(settings.get("vllm") or {})
+    unknown = sorted(set(engine) - set(VLLM_ENGINE_KEYS))
+    if unknown:
+        raise ConfigError(f"alignpipe.heldout.vllm: unknown keys {unknown}; known: {list(VLLM_ENGINE_KEYS)}")
+    return engine
 
 
 def heldout_completions(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,9 @@ from alignpipe.artifacts import staged_dir, write_json_atomic, write_text_atomic
 from alignpipe.config import get_path
 from alignpipe.context import StageContext, lift_offline_env
 from alignpipe.engines.local import training
+from alignpipe.engines.local.handover import launch_script, run_in_image
 from alignpipe.engines.local.publish import write_record
-from alignpipe.errors import AlignpipeError, ConfigError
+from alignpipe.errors import ConfigError
 from alignpipe.measure.benchmarks import BenchmarkTask, benchmark_tasks, score_names, where
 from alignpipe.measure.generation import model_system_prompt
 from alignpipe.measure.logprobs import load_policy
@@ -103,39 +103,9 @@ def make_lm(backend: str, section: dict[str, Any], policy_dir: Path, seed: int):
     )
 
 
-def hand_over(ctx: StageContext) -> None:
-    """Run this stage where vLLM is: the NeMo-RL engine's launcher, with ``--inner``."""
-    from alignpipe.context import OFFLINE_ENV, inner_argv
-    from alignpipe.launch import get_launcher
-    from alignpipe.launch.base import forwarded_env
-
-    if os.environ.get("ALIGNPIPE_INNER"):
-        raise ConfigError(
-            f"{where('backend')} is vllm, but vLLM is not installed where the launcher ran this stage: "
-            f"runtime.image must be the pipeline's NeMo-RL image (docs/GPU.md §2), which has vLLM"
-        )
-    if ctx.nemo_rl_launcher in (None, "process"):
-        raise ConfigError(
-            f"{where('backend')} is vllm, but vLLM is not installed here and runtime.engine="
-            f"{ctx.runtime['engine']} / runtime.launcher={ctx.runtime['launcher']} gives no container to run "
-            "it in; use backend: hf, or a GPU profile's launcher (container, slurm or ray)"
-        )
-    launcher = get_launcher(ctx.nemo_rl_launcher, ctx.runtime, ctx.params)
-    env = {**forwarded_env(), **OFFLINE_ENV, "ALIGNPIPE_ROOT": str(ctx.root)}
-    code = launcher.run(inner_argv(ctx), stage=f"{ctx.name}@{ctx.source}", workdir=ctx.root, env=env)
-    if code != 0:
-        raise AlignpipeError(
-            f"benchmark@{ctx.source} failed on the {ctx.nemo_rl_launcher} launcher (exit {code})"
-        )
-    launcher.check_outputs([ctx.output("results")])
-
-
 def plan(ctx: StageContext) -> dict[str, str]:
     """``alignpipe plan benchmark --source X``: the config, the lm-eval call and, for vllm on a
     host without it, the exact launch of the inner run."""
-    from alignpipe.context import inner_argv
-    from alignpipe.launch import get_launcher
-    from alignpipe.launch.base import shell_join
 
     section = dict(get_path(ctx.config, "alignpipe.benchmark", {}) or {})
     backend = backend_of(section)
@@ -151,11 +121,7 @@ def plan(ctx: StageContext) -> dict[str, str]:
         f"{label}.lm_eval.json": json.dumps(call, indent=2) + "\n",
     }
     if backend == "vllm" and ctx.nemo_rl_launcher not in (None, "process"):
-        argv = get_launcher(ctx.nemo_rl_launcher, ctx.runtime, ctx.params).command(
-            inner_argv(ctx), stage=label, workdir=ctx.root
-        )
-        files[f"{label}.launch.sh"] = (f"#!/usr/bin/env bash\n# {label} via the {ctx.nemo_rl_launcher} launcher (vLLM is in the image)\n"
-                                       f"set -euo pipefail\ncd {ctx.root}\n{shell_join(argv)}\n")  # fmt: skip
+        files[f"{label}.launch.sh"] = launch_script(ctx)
     return files
 
 
@@ -194,7 +160,7 @@ def run(ctx: StageContext) -> None:
     check_chat_template(tasks, AutoTokenizer.from_pretrained(policy_dir, local_files_only=True), policy_dir)
 
     if backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        return hand_over(ctx)
+        return run_in_image(ctx, where("backend"))
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 

@@ -26,6 +26,7 @@ Outputs (``results/evaluate``): ``metrics.json`` (``{"policies": {name: {...}}}`
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import training
 from alignpipe.engines.local.convert import make_shareable
+from alignpipe.engines.local.handover import launch_script, run_in_image
 from alignpipe.engines.local.publish import write_record
 from alignpipe.errors import ConfigError
 from alignpipe.measure.benchmarks import max_drops, read_scores, regressions
@@ -52,6 +54,8 @@ from alignpipe.measure.heldout import (
     load_measures,
     load_scores,
     sample_heldout,
+    sampling_backend,
+    vllm_engine,
 )
 from alignpipe.measure.logprobs import kl_to_reference, load_policy
 from alignpipe.measure.reward_model import RewardModelScorer, hacking_suspected
@@ -193,10 +197,38 @@ def write_results(ctx: StageContext, metrics: dict[str, Any], samples: list[dict
         make_shareable(out)
 
 
+def plan(ctx: StageContext) -> dict[str, str]:
+    """``alignpipe plan evaluate``: the config and the launch. With ``heldout.backend: vllm`` (GPU
+    profiles) the stage runs inside the NeMo-RL image through that engine's launcher, and
+    ``evaluate.vllm.json`` shows the sampling each policy gets there."""
+    from alignpipe.context import inner_argv
+    from alignpipe.launch import get_launcher
+    from alignpipe.launch.base import shell_join
+
+    settings = heldout_settings(ctx)
+    files = {f"{ctx.name}.config.yaml": ctx.resolved_config_yaml()}
+    if sampling_backend(settings) == "vllm" and ctx.nemo_rl_launcher not in (None, "process"):
+        files[f"{ctx.name}.launch.sh"] = launch_script(ctx)
+        sampling = {k: settings.get(k) for k in ("max_new_tokens", "temperature", "top_p", "seed")}
+        policies = [e["path"] for e in get_path(ctx.config, "alignpipe.evaluate.policies", [])]
+        call = {"llm": {**vllm_engine(settings), "seed": settings.get("seed")},
+                "sampling": sampling, "policies": policies}  # fmt: skip
+        files[f"{ctx.name}.vllm.json"] = json.dumps(call, indent=2) + "\n"
+    else:
+        argv = get_launcher(ctx.launcher, ctx.runtime, ctx.params).command(
+            inner_argv(ctx), stage=ctx.name, workdir=ctx.root
+        )
+        files[f"{ctx.name}.launch.sh"] = (f"#!/usr/bin/env bash\n# stage '{ctx.name}' via the {ctx.launcher} launcher\n"
+                                          f"set -euo pipefail\ncd {ctx.root}\n{shell_join(argv)}\n")  # fmt: skip
+    return files
+
+
 def run(ctx: StageContext) -> None:
     import torch
 
     settings = heldout_settings(ctx)
+    if sampling_backend(settings) == "vllm" and importlib.util.find_spec("vllm") is None:
+        return run_in_image(ctx, "alignpipe.heldout.backend")
     training.apply_torch_threads(ctx)  # tiny: 1 thread (benchmarks/RESULTS.md)
     ev = dict(get_path(ctx.config, "alignpipe.evaluate", {}) or {})
     entries = ev.get("policies") or []
@@ -218,6 +250,13 @@ def run(ctx: StageContext) -> None:
         ctx.content_hash(ctx.root / rm_path) if rm_path else None,
     )
 
+    # vLLM draws every policy's samples first, one engine at a time (each takes most of the GPU
+    # while it lives); the loop below then measures them.
+    drawn = {
+        e["name"]: sample_heldout(ctx, None, None, model_dir=ctx.root / e["path"])
+        for e in entries
+        if sampling_backend(settings) == "vllm"
+    }
     policies: dict[str, dict[str, Any]] = {}
     samples: list[dict[str, Any]] = []
     reused = 0
@@ -230,7 +269,7 @@ def run(ctx: StageContext) -> None:
                 "kl_to_sft needs the same vocabulary"
             )
         # The samples the training stage drew and published with the model, when they match.
-        held = sample_heldout(ctx, model, tok, model_dir=ctx.root / entry["path"])
+        held = drawn.get(name) or sample_heldout(ctx, model, tok, model_dir=ctx.root / entry["path"])
         known = load_measures(ctx.root / entry["path"], held) if held.reused else {}
         if name == reference and rm_path:
             # The rm stage scored the reference's samples when it published the reward model.
