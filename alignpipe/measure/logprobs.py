@@ -62,10 +62,10 @@ def token_logprobs(
         )
         seqs = [p + a for p, a in pairs]
         width = max(len(s) for s in seqs)
-        ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
-        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs], device=model.device)
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=model.device)
         with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
+            logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1).cpu()
         for row, (p, a) in enumerate(pairs):
             # Token t is predicted by the logits at position t-1.
             pos = torch.arange(len(p) - 1, len(p) + len(a) - 1)

@@ -60,8 +60,10 @@ class RewardModelScorer:
         for start in range(0, len(sequences), self.batch_size):
             chunk = sequences[start : start + self.batch_size]
             width = max(len(s) for s in chunk)
-            ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk])
-            mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk])
+            ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk], device=self.model.device)
+            mask = torch.tensor(
+                [[1] * len(s) + [0] * (width - len(s)) for s in chunk], device=self.model.device
+            )
             with torch.no_grad():
                 scores.extend(self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist())
         return scores

@@ -239,30 +239,38 @@ def run(ctx: StageContext) -> None:
     rows = heldout_rows(ctx, settings)
     torch.manual_seed(ctx.seed)
 
-    ref_path = ctx.root / next(e["path"] for e in entries if e["name"] == reference)
-    ref_model, ref_tok = load_policy(ref_path)
-    rm_path = ev.get("reward_model")
-    judges = Judges(
-        reference,
-        ref_model,
-        ctx.content_hash(ref_path),
-        RewardModelScorer.load(ctx.root / rm_path) if rm_path else None,
-        ctx.content_hash(ctx.root / rm_path) if rm_path else None,
-    )
-
     # vLLM draws every policy's samples first, one engine at a time (each takes most of the GPU
-    # while it lives); the loop below then measures them.
+    # while it lives); only then are models loaded to measure them.
     drawn = {
         e["name"]: sample_heldout(ctx, None, None, model_dir=ctx.root / e["path"])
         for e in entries
         if sampling_backend(settings) == "vllm"
     }
+    # In the image on a GPU host (heldout.backend vllm) KL and RM scores run on the GPU, in
+    # float32 as on CPU: the reference, one policy and the reward model are resident at once.
+    device = "cuda" if sampling_backend(settings) == "vllm" and torch.cuda.is_available() else "cpu"
+    ref_path = ctx.root / next(e["path"] for e in entries if e["name"] == reference)
+    ref_model, ref_tok = load_policy(ref_path)
+    ref_model.to(device)
+    rm_path = ev.get("reward_model")
+    scorer = RewardModelScorer.load(ctx.root / rm_path) if rm_path else None
+    if scorer is not None:
+        scorer.model.to(device)
+    judges = Judges(
+        reference,
+        ref_model,
+        ctx.content_hash(ref_path),
+        scorer,
+        ctx.content_hash(ctx.root / rm_path) if rm_path else None,
+    )
+
     policies: dict[str, dict[str, Any]] = {}
     samples: list[dict[str, Any]] = []
     reused = 0
     for entry in entries:
         name = entry["name"]
         model, tok = (ref_model, ref_tok) if name == reference else load_policy(ctx.root / entry["path"])
+        model.to(device)
         if not same_vocabulary(tok, ref_tok):
             raise ConfigError(
                 f"{entry['path']}: its tokenizer differs from the reference '{reference}' policy's; "

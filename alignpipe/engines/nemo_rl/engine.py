@@ -235,20 +235,37 @@ def export_checkpoint(
 
 
 def heldout_for(ctx, model_dir: Path) -> dict[str, float] | None:
-    """The local engine's held-out accuracy on the published HF policy (CPU, transformers); an
-    adapter is measured as its chain merged."""
+    """Held-out accuracy of the published policy (an adapter: its chain merged), by the local
+    engine's one definition. ``heldout.backend: vllm`` (the GPU profiles) draws the samples with
+    vLLM, which the image has; else transformers does. The samples are published beside the
+    weights (``heldout_samples.jsonl``), so evaluate reuses them when its settings match."""
+    import importlib.util
+
     settings = dict(get_path(ctx.config, "alignpipe.heldout", {}) or {})
     if ctx.name not in POLICY_STAGES or not settings.get("enabled", False):
         return None
-    from alignpipe.measure.heldout import heldout_accuracy, heldout_rows, heldout_settings
-    from alignpipe.measure.logprobs import load_policy
+    from alignpipe.measure import heldout as H
 
-    settings = heldout_settings(ctx)
-    rows = heldout_rows(ctx, settings)
-    model, tokenizer = load_policy(model_dir)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return heldout_accuracy(model, tokenizer, rows, settings, system=ctx.system_prompt)
+    settings = H.heldout_settings(ctx)
+    rows = H.heldout_rows(ctx, settings)
+    system = ctx.system_prompt
+    if H.sampling_backend(settings) == "vllm" and importlib.util.find_spec("vllm") is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        completions = H.vllm_completions(ctx, model_dir, rows, settings, system)
+    else:
+        from alignpipe.measure.logprobs import load_policy
+
+        model, tokenizer = load_policy(model_dir)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        completions = H.heldout_completions(model, tokenizer, rows, settings, system)
+        settings = {**settings, "backend": "hf"}  # what drew them
+    held = H.HeldoutSamples(rows, completions, H.sampling_key(rows, settings, system), system=system)
+    for name, text in H.samples_file(held).items():
+        write_text_atomic(model_dir / name, text)
+    return H.heldout_accuracy(None, tokenizer, rows, settings, completions=completions)
 
 
 def adapter_record(ctx, out: Path) -> dict[str, Any]:
