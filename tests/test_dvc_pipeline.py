@@ -239,3 +239,58 @@ def test_stages_run_in_the_directory_dvc_runs_them_in_not_dvc_root(tmp_path: Pat
     assert repo_root() == executor.resolve()
     monkeypatch.chdir(tmp_path)  # outside any repo: DVC_ROOT is the fallback
     assert repo_root() == (tmp_path / "workspace").resolve()
+
+
+# ----------------------------------------------------------------------------- the real pipeline, run
+
+
+def lock_differences(got: str, want: str) -> list[str]:
+    """Stages whose dvc.lock entries differ, each with the paths whose hashes moved."""
+    got_stages, want_stages = yaml.safe_load(got)["stages"], yaml.safe_load(want)["stages"]
+    differences = []
+    for name in sorted(set(got_stages) | set(want_stages)):
+        a, b = got_stages.get(name, {}), want_stages.get(name, {})
+        if a != b:
+            moved = [
+                e["path"] for kind in ("deps", "outs") for e in a.get(kind, []) if e not in b.get(kind, [])
+            ]
+            differences.append(f"{name}: {moved or 'params/cmd'}")
+    return differences
+
+
+@pytest.mark.slow
+def test_the_pipeline_reproduces_its_lock_and_an_rlhf_experiment_reruns_only_its_chain(tmp_path: Path):
+    """What `make repro` does on a fresh clone, for real: every stage runs and dvc.lock comes out
+    byte-identical to the committed one (every output's hash: each model, export and score).
+    Then `dvc exp run` with another rlhf knob runs exactly rlhf, its export, its benchmark and
+    evaluate, and `dvc metrics show` has every policy's benchmark scores."""
+    from tests.conftest import copy_repo
+
+    root = copy_repo(tmp_path / "repo", git=True)
+    committed = (root / "dvc.lock").read_text()
+    env = {**os.environ, **GIT_ENV, "ALIGNPIPE_SCRATCH": str(tmp_path / "scratch"), "PYTHONHASHSEED": "0"}
+
+    def dvc(*argv: str) -> str:
+        proc = subprocess.run(["dvc", *argv], cwd=root, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, (
+            f"dvc {' '.join(argv)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+        return proc.stdout
+
+    ran = re.findall(r"Running stage '([^']+)'", dvc("repro"))
+    assert set(ran) == set(yaml.safe_load(committed)["stages"]), ran
+    got = (root / "dvc.lock").read_text()
+    assert got == committed, "dvc.lock is not what the committed run produced:\n" + "\n".join(
+        lock_differences(got, committed)
+    )
+
+    import json
+
+    steps = json.loads((root / "results" / "rlhf" / "metrics.json").read_text())["step"]
+    ran = re.findall(r"Running stage '([^']+)'", dvc("exp", "run", "-S", "rlhf.grpo.max_num_steps=10"))
+    assert sorted(ran) == ["benchmark@rlhf", "convert@rlhf", "evaluate", "rlhf"], ran
+    shown = json.loads(dvc("metrics", "show", "--json"))[""]["data"]
+    for policy in ("base", "sft", "dpo", "rlvr", "rlhf"):
+        tasks = shown[f"results/benchmark/{policy}/metrics.json"]["data"]["tasks"]
+        assert {"heldout_exact", "preference_choice"} <= set(tasks), (policy, tasks)
+    assert shown["results/rlhf/metrics.json"]["data"]["step"] < steps  # the experiment's shorter rlhf
