@@ -192,6 +192,18 @@ def test_lora_on_is_one_knob():
     assert lora.lora_settings(build_context(REPO, "sft")) is None  # committed params: off
 
 
+def test_the_small_preset_is_the_measured_run():
+    """`-S lora=small` composes exactly the overrides benchmarks/lora.md's small run used: LoRA on,
+    and its learning rates, on top of the small profile."""
+    import yaml
+
+    measured = ["lora=on", "sft.policy.optimizer.kwargs.lr=5e-4", "dpo.policy.optimizer.kwargs.lr=5e-5",
+                "rlvr.policy.optimizer.kwargs.lr=5e-5", "rlhf.policy.optimizer.kwargs.lr=5e-5"]  # fmt: skip
+    preset = yaml.safe_load(compose_params_text(REPO.resolve(), ["profile=small", "lora=small"]))
+    assert preset == yaml.safe_load(compose_params_text(REPO.resolve(), ["profile=small", *measured]))
+    assert preset["sft"]["policy"]["optimizer"]["kwargs"]["lr"] == 5e-4
+
+
 GRPO = {
     "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 4, "max_num_steps": 4},
     "policy": {"train_global_batch_size": 32, "train_micro_batch_size": 32},
