@@ -228,3 +228,22 @@ def test_samples_are_keyed_by_the_backend_that_drew_them():
     hf = sampling_key(rows, settings)
     assert sampling_key(rows, {**settings, "backend": "hf"}) == hf
     assert sampling_key(rows, {**settings, "backend": "vllm"}) != hf
+
+
+def test_without_vllm_a_vllm_setting_reads_and_draws_with_transformers(trained_sft: Path):
+    """The local engine's trainers on a GPU profile (heldout.backend vllm, no vLLM on the host)
+    keep drawing with transformers, so the SFT reference's published samples are reused."""
+    from alignpipe.config import compose_params_text
+    from alignpipe.context import build_context
+    from alignpipe.measure.heldout import drawing_backend, published_samples, sample_heldout
+
+    params = yaml.safe_load(compose_params_text(trained_sft, ["profile=default", "runtime.engine=local"]))
+    # the held-out settings models/sft was published with (tiny's), under the GPU profile's backend
+    params["rlvr"].setdefault("alignpipe", {}).setdefault("heldout", {}).update(
+        limit=None, max_new_tokens=12, batch_size=128
+    )
+    ctx = build_context(trained_sft, "rlvr", "default", params=params)
+    settings = ctx.config["alignpipe"]["heldout"]
+    assert settings["backend"] == "vllm" and drawing_backend(settings) == "hf"
+    assert published_samples(ctx, trained_sft / "models" / "sft") is not None
+    assert sample_heldout(ctx, None, None, model_dir=trained_sft / "models" / "sft").reused

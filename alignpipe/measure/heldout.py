@@ -53,6 +53,17 @@ def sampling_backend(settings: dict[str, Any]) -> str:
     return backend
 
 
+def drawing_backend(settings: dict[str, Any]) -> str:
+    """What draws a published model's samples here: vLLM when the settings ask for it and it is
+    installed (the NeMo-RL image, where evaluate and the nemo_rl engine's check run on GPU
+    profiles), else transformers, e.g. the local engine's trainers on a host without vLLM."""
+    import importlib.util
+
+    if sampling_backend(settings) == "vllm" and importlib.util.find_spec("vllm") is not None:
+        return "vllm"
+    return "hf"
+
+
 SAMPLES_FILE = "heldout_samples.jsonl"
 # What a sample depends on besides the model and the prompts (batching moves the RNG stream).
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "batch_size", "seed")
@@ -158,7 +169,7 @@ def published_samples(ctx: StageContext, model_dir: Path | str) -> HeldoutSample
     settings = heldout_settings(ctx)
     rows = heldout_rows(ctx, settings)
     system = model_system_prompt(model_dir)
-    key = sampling_key(rows, settings, system)
+    key = sampling_key(rows, {**settings, "backend": drawing_backend(settings)}, system)
     if (cached := load_samples(Path(model_dir), key, len(rows))) is None:
         return None
     return HeldoutSamples(rows, cached, key, reused=True, system=system)
@@ -175,9 +186,9 @@ def sample_heldout(
     settings = heldout_settings(ctx)
     rows = heldout_rows(ctx, settings)
     system = model_system_prompt(model_dir) if model_dir is not None else ctx.system_prompt
-    if sampling_backend(settings) == "vllm" and model_dir is not None:
+    if model_dir is not None and drawing_backend(settings) == "vllm":
         completions = vllm_completions(ctx, Path(model_dir), rows, settings, system)
-    else:
+    else:  # the stage's own policy (in memory, not published yet) is sampled with transformers
         completions = heldout_completions(model, tokenizer, rows, settings, system)
         settings = {**settings, "backend": "hf"}  # what drew them
     return HeldoutSamples(rows, completions, sampling_key(rows, settings, system), system=system)

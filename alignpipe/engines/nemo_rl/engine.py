@@ -239,8 +239,6 @@ def heldout_for(ctx, model_dir: Path) -> dict[str, float] | None:
     engine's one definition. ``heldout.backend: vllm`` (the GPU profiles) draws the samples with
     vLLM, which the image has; else transformers does. The samples are published beside the
     weights (``heldout_samples.jsonl``), so evaluate reuses them when its settings match."""
-    import importlib.util
-
     settings = dict(get_path(ctx.config, "alignpipe.heldout", {}) or {})
     if ctx.name not in POLICY_STAGES or not settings.get("enabled", False):
         return None
@@ -249,7 +247,7 @@ def heldout_for(ctx, model_dir: Path) -> dict[str, float] | None:
     settings = H.heldout_settings(ctx)
     rows = H.heldout_rows(ctx, settings)
     system = ctx.system_prompt
-    if H.sampling_backend(settings) == "vllm" and importlib.util.find_spec("vllm") is not None:
+    if H.drawing_backend(settings) == "vllm":
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
