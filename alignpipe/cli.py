@@ -27,19 +27,22 @@ def plan_files(root: Path, stage: str, profile: str | None, source: str | None =
     """What ``plan`` shows: the resolved config and the exact launch script, by file name."""
     from alignpipe.context import build_context, inner_argv
     from alignpipe.launch import get_launcher
-    from alignpipe.launch.base import shell_join
+    from alignpipe.launch.base import launch_script
     from alignpipe.stage import engine_module
 
     ctx = build_context(root, stage, profile, source=source)
     engine = engine_module(ctx)
     launcher_name = ctx.launcher
     launcher = get_launcher(launcher_name, ctx.runtime, ctx.params)
-    if hasattr(engine, "plan"):
-        files = engine.plan(ctx)
-    else:
-        argv = launcher.command(inner_argv(ctx), stage=stage, workdir=root)
-        script = f"#!/usr/bin/env bash\n# stage '{stage}' via the {launcher_name} launcher\nset -euo pipefail\ncd {root}\n{shell_join(argv)}\n"
-        files = {f"{stage}.config.yaml": ctx.resolved_config_yaml(), f"{stage}.launch.sh": script}
+    files = (
+        engine.plan(ctx) if hasattr(engine, "plan") else {f"{stage}.config.yaml": ctx.resolved_config_yaml()}
+    )
+    if not any(name.endswith(".launch.sh") for name in files):  # the engine launches as every stage does
+        label = f"{stage}@{source}" if source else stage
+        argv = launcher.command(inner_argv(ctx), stage=stage, workdir=root)  # as alignpipe.stage runs it
+        files[f"{label}.launch.sh"] = launch_script(
+            argv, what=f"stage '{label}' via the {launcher_name} launcher", workdir=root
+        )
     if hasattr(launcher, "render_script"):
         # Batch launchers submit a script that exists only at run time: show it too.
         files[f"{stage}.sbatch"] = launcher.render_script(inner_argv(ctx), stage=stage, workdir=root)

@@ -79,6 +79,11 @@ def shell_join(argv: Sequence[str]) -> str:
     return " ".join(shlex.quote(a) for a in argv)
 
 
+def launch_script(argv: Sequence[str], *, what: str, workdir: Path) -> str:
+    """The ``<stage>.launch.sh`` that ``alignpipe plan`` writes: ``argv`` run from ``workdir``."""
+    return f"#!/usr/bin/env bash\n# {what}\nset -euo pipefail\ncd {workdir}\n{shell_join(argv)}\n"
+
+
 class Launcher(ABC):
     """Runs the stage's inner command somewhere and waits for it."""
 

@@ -207,15 +207,9 @@ def vllm_completions(
     from alignpipe.measure.logprobs import LOCAL_DTYPE
 
     full = merged_dir(model_dir, ctx.root, scratch_root(ctx.params) / "merged", LOCAL_DTYPE)
+    prompts = [r["prompt"] for r in rows]
     return generate_vllm(
-        full,
-        [r["prompt"] for r in rows],
-        max_new_tokens=int(settings.get("max_new_tokens", 16)),
-        temperature=float(settings.get("temperature", 1.0)),
-        top_p=float(settings.get("top_p", 1.0)),
-        seed=int(settings.get("seed", 1234)),
-        system=system,
-        engine=vllm_engine(settings),
+        full, prompts, **sampling_args(settings), system=system, engine=vllm_engine(settings)
     )
 
 
@@ -234,17 +228,21 @@ def heldout_completions(
     model, tokenizer, rows: list[dict[str, Any]], settings: dict[str, Any], system: str | None = None
 ) -> list[str]:
     """The seeded samples ``heldout_accuracy`` scores (one per row), from ``alignpipe.heldout`` settings."""
+    prompts = [r["prompt"] for r in rows]
+    batch_size = int(settings.get("batch_size", 128))
     return generate(
-        model,
-        tokenizer,
-        [r["prompt"] for r in rows],
-        max_new_tokens=int(settings.get("max_new_tokens", 16)),
-        temperature=float(settings.get("temperature", 1.0)),
-        top_p=float(settings.get("top_p", 1.0)),
-        batch_size=int(settings.get("batch_size", 128)),
-        seed=int(settings.get("seed", 1234)),
-        system=system,
+        model, tokenizer, prompts, **sampling_args(settings), batch_size=batch_size, system=system
     )
+
+
+def sampling_args(settings: dict[str, Any]) -> dict[str, Any]:
+    """The sampling settings both backends draw with (``alignpipe.heldout``, with its defaults)."""
+    return {
+        "max_new_tokens": int(settings.get("max_new_tokens", 16)),
+        "temperature": float(settings.get("temperature", 1.0)),
+        "top_p": float(settings.get("top_p", 1.0)),
+        "seed": int(settings.get("seed", 1234)),
+    }
 
 
 def heldout_accuracy(

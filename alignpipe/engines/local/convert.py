@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from alignpipe import console
-from alignpipe.adapters import adapter_chain, merge_chain
+from alignpipe.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_chain, merge_chain
 from alignpipe.artifacts import (
     MANIFEST,
     RESOLVED_CONFIG,
@@ -354,7 +354,6 @@ def adapter_section(source: str, adapter: dict[str, Any]) -> list[str]:
 
 
 ADAPTER_EXPORT = "adapter"
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def export_adapter(chain: list[Path], root: Path, out: Path) -> dict[str, Any] | None:
@@ -364,7 +363,7 @@ def export_adapter(chain: list[Path], root: Path, out: Path) -> dict[str, Any] |
     if len(chain) != 2:
         return None
     (out / ADAPTER_EXPORT).mkdir()
-    for name in ADAPTER_FILES:
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         shutil.copyfile(chain[-1] / name, out / ADAPTER_EXPORT / name)
     base = str(chain[0].relative_to(root.resolve()))
     return {"path": ADAPTER_EXPORT, "applies_to": base}

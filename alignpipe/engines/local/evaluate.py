@@ -48,12 +48,14 @@ from alignpipe.errors import ConfigError
 from alignpipe.measure.benchmarks import max_drops, read_scores, regressions
 from alignpipe.measure.heldout import (
     HeldoutSamples,
+    drawing_backend,
     heldout_accuracy,
     heldout_rows,
     heldout_settings,
     load_measures,
     load_scores,
     sample_heldout,
+    sampling_args,
     sampling_backend,
     vllm_engine,
 )
@@ -201,26 +203,16 @@ def plan(ctx: StageContext) -> dict[str, str]:
     """``alignpipe plan evaluate``: the config and the launch. With ``heldout.backend: vllm`` (GPU
     profiles) the stage runs inside the NeMo-RL image through that engine's launcher, and
     ``evaluate.vllm.json`` shows the sampling each policy gets there."""
-    from alignpipe.context import inner_argv
-    from alignpipe.launch import get_launcher
-    from alignpipe.launch.base import shell_join
-
     settings = heldout_settings(ctx)
     files = {f"{ctx.name}.config.yaml": ctx.resolved_config_yaml()}
     if sampling_backend(settings) == "vllm" and ctx.nemo_rl_launcher not in (None, "process"):
         files[f"{ctx.name}.launch.sh"] = launch_script(ctx)
-        sampling = {k: settings.get(k) for k in ("max_new_tokens", "temperature", "top_p", "seed")}
+        sampling = sampling_args(settings)
         policies = [e["path"] for e in get_path(ctx.config, "alignpipe.evaluate.policies", [])]
         call = {"llm": {**vllm_engine(settings), "seed": settings.get("seed")},
                 "sampling": sampling, "policies": policies}  # fmt: skip
         files[f"{ctx.name}.vllm.json"] = json.dumps(call, indent=2) + "\n"
-    else:
-        argv = get_launcher(ctx.launcher, ctx.runtime, ctx.params).command(
-            inner_argv(ctx), stage=ctx.name, workdir=ctx.root
-        )
-        files[f"{ctx.name}.launch.sh"] = (f"#!/usr/bin/env bash\n# stage '{ctx.name}' via the {ctx.launcher} launcher\n"
-                                          f"set -euo pipefail\ncd {ctx.root}\n{shell_join(argv)}\n")  # fmt: skip
-    return files
+    return files  # without vLLM: the default launch (alignpipe.cli.plan_files)
 
 
 def run(ctx: StageContext) -> None:
@@ -229,6 +221,7 @@ def run(ctx: StageContext) -> None:
     settings = heldout_settings(ctx)
     if sampling_backend(settings) == "vllm" and importlib.util.find_spec("vllm") is None:
         return run_in_image(ctx, "alignpipe.heldout.backend")
+    on_vllm = drawing_backend(settings) == "vllm"  # vLLM is here whenever it was asked for
     training.apply_torch_threads(ctx)  # tiny: 1 thread (benchmarks/RESULTS.md)
     ev = dict(get_path(ctx.config, "alignpipe.evaluate", {}) or {})
     entries = ev.get("policies") or []
@@ -242,13 +235,11 @@ def run(ctx: StageContext) -> None:
     # vLLM draws every policy's samples first, one engine at a time (each takes most of the GPU
     # while it lives); only then are models loaded to measure them.
     drawn = {
-        e["name"]: sample_heldout(ctx, None, None, model_dir=ctx.root / e["path"])
-        for e in entries
-        if sampling_backend(settings) == "vllm"
+        e["name"]: sample_heldout(ctx, None, None, model_dir=ctx.root / e["path"]) for e in entries if on_vllm
     }
     # In the image on a GPU host (heldout.backend vllm) KL and RM scores run on the GPU, in
     # float32 as on CPU: the reference, one policy and the reward model are resident at once.
-    device = "cuda" if sampling_backend(settings) == "vllm" and torch.cuda.is_available() else "cpu"
+    device = "cuda" if on_vllm and torch.cuda.is_available() else "cpu"
     ref_path = ctx.root / next(e["path"] for e in entries if e["name"] == reference)
     ref_model, ref_tok = load_policy(ref_path)
     ref_model.to(device)

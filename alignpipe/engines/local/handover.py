@@ -44,13 +44,12 @@ def launch_script(ctx: StageContext) -> str:
     """The exact launch of the inner run on the NeMo-RL engine's launcher (``alignpipe plan``)."""
     from alignpipe.context import inner_argv
     from alignpipe.launch import get_launcher
-    from alignpipe.launch.base import shell_join
+    from alignpipe.launch.base import launch_script as script
 
     label = f"{ctx.name}@{ctx.source}" if ctx.source else ctx.name
     argv = get_launcher(ctx.nemo_rl_launcher, ctx.runtime, ctx.params).command(
         inner_argv(ctx), stage=label, workdir=ctx.root
     )
-    return (
-        f"#!/usr/bin/env bash\n# {label} via the {ctx.nemo_rl_launcher} launcher (vLLM is in the image)\n"
-        f"set -euo pipefail\ncd {ctx.root}\n{shell_join(argv)}\n"
+    return script(
+        argv, what=f"{label} via the {ctx.nemo_rl_launcher} launcher (vLLM is in the image)", workdir=ctx.root
     )
