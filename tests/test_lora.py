@@ -405,7 +405,7 @@ def test_nemo_rl_lora_checkpoint_is_published_as_the_same_adapter(
     a next NeMo-RL stage that starts from it gets the chain merged (NeMo-RL loads full weights)."""
     from alignpipe.engines.nemo_rl import convert as CV
     from alignpipe.engines.nemo_rl.engine import merge_adapter_inputs, publish, render_for
-    from alignpipe.engines.nemo_rl.render import RunPaths, dropped_training_knobs, unpublishable
+    from alignpipe.engines.nemo_rl.render import RunPaths, dropped_training_knobs
     from alignpipe.measure.logprobs import load_policy
     from tests.test_nemo_rl_publish import compose_into
 
@@ -418,7 +418,7 @@ def test_nemo_rl_lora_checkpoint_is_published_as_the_same_adapter(
     ctx = build_context(root, "rlvr", "default")
     paths = RunPaths(ctx.scratch_dir)
     cfg = render_for(ctx, paths.scratch)
-    assert unpublishable(cfg) is None and dropped_training_knobs("rlvr", ctx.config) == []
+    assert dropped_training_knobs("rlvr", ctx.config) == []
     trained = nemo_rl_lora_step(automodel, ctx, cfg, paths.checkpoints / "step_4")
     assert CV.checkpoint_format(paths.checkpoints / "step_4") == CV.PEFT
 
@@ -448,3 +448,216 @@ def test_nemo_rl_lora_checkpoint_is_published_as_the_same_adapter(
     reloaded, _ = load_policy(merged)
     with torch.no_grad():
         assert (reloaded(input_ids=ids).logits - trained(input_ids=ids).logits).abs().max() < 1e-5
+
+
+class BridgeExport:
+    """Stands in for NeMo-RL's convert_lora_to_hf.py, which needs Megatron-Bridge (not installable
+    here). It reads its argv with the script's own parser, then writes what Megatron-Bridge's
+    ``save_hf_adapter`` writes for a Llama: an HF PEFT adapter on every projection in float32,
+    with one lora_A shared by q/k/v and by gate/up (Megatron's fused linear_qkv and linear_fc1
+    have one input projection), B trained (non-zero); without --adapter-only, that model merged.
+    ``model`` is the base-plus-adapter model the published artifact must reproduce."""
+
+    PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, nemo_rl_src: Path):
+        import importlib.util
+
+        path = nemo_rl_src / "examples" / "converters" / "convert_lora_to_hf.py"
+        spec = importlib.util.spec_from_file_location("convert_lora_to_hf", path)
+        self.script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(self.script)
+        self.calls: list = []
+
+    def __call__(self, argv, cwd) -> int:
+        import yaml
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        from alignpipe.engines.nemo_rl import convert as CV
+
+        assert argv[:2] == [CV.MCORE_PYTHON, CV.LORA_TO_HF] and (Path(cwd) / argv[1]).is_file()
+        saved = sys.argv
+        sys.argv = argv[1:]
+        try:
+            args = self.script.parse_args()
+        finally:
+            sys.argv = saved
+        self.calls.append(args)
+        peft = yaml.safe_load((Path(args.adapter_ckpt) / "run_config.yaml").read_text())["peft"]
+        base = AutoModelForCausalLM.from_pretrained(
+            args.hf_model_name, local_files_only=True, dtype=torch.float32
+        )
+        config = LoraConfig(r=peft["dim"], lora_alpha=peft["alpha"], target_modules=list(self.PROJECTIONS))
+        model = get_peft_model(base, config)
+        torch.manual_seed(len(self.calls))
+        with torch.no_grad():
+            for layer in model.base_model.model.model.layers:
+                for fused in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+                    owner = layer.self_attn if fused[0] == "q_proj" else layer.mlp
+                    shared = getattr(owner, fused[0]).lora_A["default"].weight
+                    for name in fused[1:]:
+                        getattr(owner, name).lora_A["default"].weight.copy_(shared)
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+        self.model = model.eval()
+        if args.adapter_only:
+            model.save_pretrained(args.hf_ckpt_path)
+        else:
+            model.merge_and_unload().save_pretrained(args.hf_ckpt_path)
+        return 0
+
+
+def megatron_lora_step(cfg: dict, step_dir: Path) -> None:
+    """The layout NeMo-RL v0.7.0 writes for a Megatron LoRA step: Megatron-Bridge's save with its
+    adapter filter (policy/weights/iter_0000000: torch_dist shards of the adapter keys and
+    run_config.yaml with the peft section), and policy/tokenizer. The shards are placeholders:
+    only Megatron-Bridge reads them."""
+    import shutil
+
+    import yaml
+
+    weights = step_dir / "policy" / "weights"
+    (weights / "iter_0000000").mkdir(parents=True)
+    (step_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (step_dir / "training_info.json").write_text(json.dumps({"step": 4}))
+    peft = cfg["policy"]["megatron_cfg"]["peft"]
+    (weights / "iter_0000000" / "run_config.yaml").write_text(yaml.safe_dump({"peft": peft}))
+    (weights / "iter_0000000" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (weights / "latest_checkpointed_iteration.txt").write_text("0\n")
+    tokenizer = cfg["policy"]["tokenizer"]["name"]
+    shutil.copytree(
+        tokenizer,
+        step_dir / "policy" / "tokenizer",
+        ignore=shutil.ignore_patterns("*.safetensors", "*.json.dvc"),
+    )
+
+
+def megatron_lora_repo(trained_sft: Path, tmp_path: Path, monkeypatch) -> Path:
+    from dvc.utils.hydra import compose_and_dump
+
+    root = writable_copy(trained_sft, tmp_path / "repo")
+    monkeypatch.setenv("ALIGNPIPE_SCRATCH", str(tmp_path / "scratch"))
+    monkeypatch.setenv("NRL_MEGATRON_CHECKPOINT_DIR", str(tmp_path / "nrl"))  # NeMo-RL's HF->Megatron cache
+    overrides = ["profile=default_megatron", "lora=on"]
+    compose_and_dump(root / "params.yaml", str(REPO / "conf"), None, "config", str(REPO), overrides)
+    heldout = {"alignpipe": {"heldout": {"limit": 4, "max_new_tokens": 4, "batch_size": 4}}}
+    set_params(root, {"sft": heldout, "dpo": heldout})
+    return root
+
+
+def same_logits(a, b) -> float:
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7, 3]])
+    with torch.no_grad():
+        return float((a(input_ids=ids).logits - b(input_ids=ids).logits).abs().max())
+
+
+@pytest.mark.slow
+def test_megatron_lora_runs_are_published_as_adapters_and_chain(
+    nemo_rl_src, trained_sft, tmp_path, monkeypatch
+):
+    """`-S profile=default_megatron -S lora=on`: sft's Megatron LoRA run is exported by
+    convert_lora_to_hf.py --adapter-only over the base NeMo-RL trained it on (its conversion of
+    models/base) and published as the local engine publishes adapters. dpo, whose profile starts
+    it from sft's Megatron checkpoint, starts from that adapter's chain merged instead, and its own
+    adapter names models/sft; read back, each gives its base-plus-adapter model's logits."""
+    from alignpipe.engines.nemo_rl import convert as CV
+    from alignpipe.engines.nemo_rl.engine import prepare, publish
+    from alignpipe.engines.nemo_rl.render import RunPaths
+    from alignpipe.measure.logprobs import load_policy
+
+    root = megatron_lora_repo(trained_sft, tmp_path, monkeypatch)
+    bridge = BridgeExport(nemo_rl_src)
+
+    ctx = build_context(root, "sft", "default_megatron")
+    paths = RunPaths(ctx.scratch_dir)
+    cfg = prepare(ctx, paths, bridge, nemo_rl_src)
+    assert cfg["policy"]["megatron_cfg"]["peft"]["enabled"] is True
+    megatron_lora_step(cfg, paths.checkpoints / "step_4")
+    assert CV.checkpoint_format(paths.checkpoints / "step_4") == CV.MEGATRON_LORA
+    manifest = publish(ctx, cfg, paths, runner=bridge, workdir=nemo_rl_src)
+    base = (root / "models" / "base").resolve()
+    call = bridge.calls[-1]
+    assert call.adapter_only and call.hf_model_name == str(base)
+    assert Path(call.base_ckpt) == tmp_path / "nrl" / f"model_{str(base).replace('/', '_')}" / "iter_0000000"
+    sft = root / "models" / "sft"
+    assert manifest["type"] == "checkpoint_lora" and manifest["format"] == "peft"
+    assert manifest["nemo_rl"]["checkpoint_format"] == CV.MEGATRON_LORA
+    assert manifest["adapter"]["applies_to"] == {
+        "path": "models/base",
+        "hash": dvc_hash(root / "models" / "base"),
+    }
+    assert json.loads((sft / "adapter_config.json").read_text())["base_model_name_or_path"] == "models/base"
+    assert not (sft / "model.safetensors").exists() and (sft / "tokenizer_config.json").is_file()
+    assert 0.0 <= manifest["metrics"]["heldout"]["accuracy"] <= 1.0
+    assert same_logits(load_policy(sft)[0], bridge.model) < 1e-5
+
+    ctx = build_context(root, "dpo", "default_megatron")
+    paths = RunPaths(ctx.scratch_dir)
+    cfg = prepare(ctx, paths, bridge, nemo_rl_src)
+    merged = Path(cfg["policy"]["model_name"])
+    assert "pretrained_checkpoint" not in cfg["checkpointing"]  # sft has no Megatron checkpoint now
+    assert merged.parent == paths.converted / "merged" and cfg["policy"]["tokenizer"]["name"] == str(
+        sft.resolve()
+    )
+    megatron_lora_step(cfg, paths.checkpoints / "step_4")
+    manifest = publish(ctx, cfg, paths, runner=bridge, workdir=nemo_rl_src)
+    call = bridge.calls[-1]
+    assert call.adapter_only and call.hf_model_name == str(merged)
+    assert (
+        Path(call.base_ckpt) == tmp_path / "nrl" / f"model_{str(merged).replace('/', '_')}" / "iter_0000000"
+    )
+    assert manifest["adapter"]["applies_to"] == {"path": "models/sft", "hash": dvc_hash(sft)}
+    dpo = root / "models" / "dpo"
+    assert adapter_chain(dpo, root) == [base, sft.resolve(), dpo.resolve()]
+    assert same_logits(load_policy(dpo)[0], bridge.model) < 1e-5
+
+
+@pytest.mark.slow
+def test_megatron_lora_over_a_megatron_checkpoint_is_published_merged(
+    nemo_rl_src, trained_sft, tmp_path, monkeypatch
+):
+    """Full-weight sft on Megatron, LoRA dpo: the adapter's base is sft's Megatron checkpoint,
+    which peft cannot load, so convert_lora_to_hf.py merges the adapter into it and the stage
+    publishes the full HF model (checkpoint_hf), measured like any other."""
+    import shutil
+
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from alignpipe.engines.nemo_rl.engine import prepare, publish
+    from alignpipe.engines.nemo_rl.render import RunPaths
+
+    root = megatron_lora_repo(trained_sft, tmp_path, monkeypatch)
+    sft = root / "models" / "sft"
+    weights = sft / "policy" / "weights"
+    (weights / "iter_0000000").mkdir(parents=True)  # a published checkpoint_megatron, as the engine copies it
+    (weights / "iter_0000000" / "run_config.yaml").write_text("model: {}\n")
+    (weights / "latest_checkpointed_iteration.txt").write_text("0\n")
+    shutil.copytree(
+        root / "models" / "base", sft / "policy" / "tokenizer", ignore=shutil.ignore_patterns("*.safetensors")
+    )
+    manifest = json.loads((sft / "artifact.json").read_text())
+    (sft / "artifact.json").write_text(
+        json.dumps({**manifest, "type": "checkpoint_megatron", "format": "megatron_bridge"})
+    )
+    set_params(root, {"dpo": {"policy": {"megatron_cfg": {"peft": {"enabled": True}}}}})
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["dpo"]["policy"]["dtensor_cfg"]["lora_cfg"]["enabled"] = False  # LoRA on dpo only
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+
+    bridge = BridgeExport(nemo_rl_src)
+    ctx = build_context(root, "dpo", "default_megatron")
+    paths = RunPaths(ctx.scratch_dir)
+    cfg = prepare(ctx, paths, bridge, nemo_rl_src)
+    assert cfg["checkpointing"]["pretrained_checkpoint"]["path"] == str(weights.resolve())
+    megatron_lora_step(cfg, paths.checkpoints / "step_4")
+    manifest = publish(ctx, cfg, paths, runner=bridge, workdir=nemo_rl_src)
+    call = bridge.calls[-1]
+    assert not call.adapter_only and Path(call.base_ckpt) == weights.resolve() / "iter_0000000"
+    assert manifest["type"] == "checkpoint_hf" and manifest["format"] == "hf" and "adapter" not in manifest
+    dpo = root / "models" / "dpo"
+    exported = AutoModelForCausalLM.from_pretrained(dpo, local_files_only=True, dtype=torch.float32)
+    assert same_logits(exported, bridge.model) < 1e-5
+    assert 0.0 <= manifest["metrics"]["heldout"]["accuracy"] <= 1.0

@@ -21,7 +21,6 @@ from alignpipe.config import compose_params_text
 from alignpipe.context import build_context
 from alignpipe.engines.nemo_rl import convert as CV
 from alignpipe.engines.nemo_rl import preflight
-from alignpipe.errors import UnsupportedSetting
 from tests.conftest import REPO, run_cli, set_params
 
 STAGES = ("sft", "rm", "dpo", "rlvr", "rlhf")
@@ -52,16 +51,90 @@ def _checker(schema_python: Path, *args: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "fmt, script", [(CV.DCP, CV.DCP_TO_HF), (CV.MEGATRON, CV.MEGATRON_TO_HF)], ids=["dcp", "megatron"]
-)
+    "fmt, script",
+    [(CV.DCP, CV.DCP_TO_HF), (CV.MEGATRON, CV.MEGATRON_TO_HF), ("lora-adapter", CV.LORA_TO_HF),
+     ("lora-merged", CV.LORA_TO_HF)],
+    ids=["dcp", "megatron", "megatron-lora-adapter", "megatron-lora-merged"],
+)  # fmt: skip
 def test_converter_commands_pass_the_converters_own_parsers(
     fmt, script, nemo_rl_src, schema_python, tmp_path
 ):
     (tmp_path / "step_3" / "policy" / "weights" / "iter_0000000").mkdir(parents=True)  # as NeMo-RL writes it
-    argv = CV.converter_argv(tmp_path / "step_3", fmt, tmp_path / "hf", hf_model_name="org/model")
+    if fmt.startswith("lora"):
+        argv = CV.lora_converter_argv(tmp_path / "step_3", tmp_path / "hf", base_ckpt=tmp_path / "base" / "iter_0000000",
+                                      hf_model_name="org/model", adapter_only=fmt == "lora-adapter")  # fmt: skip
+        assert ("--adapter-only" in argv) == (fmt == "lora-adapter")
+    else:
+        argv = CV.converter_argv(tmp_path / "step_3", fmt, tmp_path / "hf", hf_model_name="org/model")
     assert argv[1] == script
     result = _checker(schema_python, "argv", "--src", str(nemo_rl_src), "--", *argv)
     assert result["ok"], result
+
+
+def upstream_validate_model_paths(nemo_rl_src: Path):
+    """NeMo-RL v0.7.0's own ``validate_model_paths`` and ``get_megatron_checkpoint_dir``, lifted
+    from its source by name: their modules import Megatron-Bridge, which cannot be installed here,
+    but these functions use only os, json and hashlib."""
+    import ast
+    import hashlib
+    from typing import Any
+
+    namespace: dict = {"os": os, "json": json, "hashlib": hashlib, "Any": Any, "PolicyConfig": dict}
+    wanted = {
+        "nemo_rl/models/megatron/setup.py": ("_canonicalize_hf_config_overrides", "_get_hf_config_overrides_hash",
+                                             "_resolve_iter_dir_from_root", "validate_model_paths"),
+        "nemo_rl/models/policy/utils.py": ("get_megatron_checkpoint_dir",),
+    }  # fmt: skip
+    for path, names in wanted.items():
+        tree = ast.parse((nemo_rl_src / path).read_text())
+        found = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+        assert sorted(n.name for n in found) == sorted(names), f"{path} no longer defines {names}"
+        exec(compile(ast.Module(body=found, type_ignores=[]), path, "exec"), namespace)
+    return namespace["validate_model_paths"]
+
+
+def test_megatron_lora_base_is_the_checkpoint_nemo_rl_loads(nemo_rl_src, tmp_path, monkeypatch):
+    """convert_lora_to_hf.py needs the base a Megatron LoRA run trained on: the path NeMo-RL's own
+    validate_model_paths gives, for an HF start (its conversion cache, under every environment
+    NeMo-RL reads) and for sft's Megatron checkpoint (pretrained_checkpoint, megatron_bridge)."""
+    validate = upstream_validate_model_paths(nemo_rl_src)
+    model = tmp_path / "repo" / "models" / "base"
+    model.mkdir(parents=True)
+    sft = tmp_path / "repo" / "models" / "sft" / "policy" / "weights"
+    (sft / "iter_0000000").mkdir(parents=True)
+    (sft / "iter_0000000" / "run_config.yaml").write_text("model: {}\n")
+    (sft / "latest_checkpointed_iteration.txt").write_text("0\n")
+    policies = [
+        {"model_name": str(model)},
+        {"model_name": "meta-llama/Llama-3.2-1B-Instruct"},
+        {"model_name": str(model), "hf_config_overrides": {"rope_theta": 5e5, "max_position_embeddings": 4096}},
+        {"model_name": str(model), "pretrained_checkpoint": {"path": str(sft), "format": "megatron_bridge"}},
+        {"model_name": str(model), "pretrained_checkpoint": {"path": str(sft / "iter_0000000"), "format": "megatron_bridge"}},
+    ]  # fmt: skip
+    environments = [
+        {"NRL_MEGATRON_CHECKPOINT_DIR": str(tmp_path / "nrl")},
+        {"HF_HOME": str(tmp_path / "hf")},
+        {},
+    ]
+    for env in environments:
+        for name in ("NRL_MEGATRON_CHECKPOINT_DIR", "HF_HOME"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        for policy in policies:
+            _, pretrained_path, _ = validate(policy)
+            if "pretrained_checkpoint" not in policy:
+                pretrained_path = os.path.join(
+                    pretrained_path, "iter_0000000"
+                )  # the conversion's only iteration
+            assert CV.megatron_base_checkpoint({"policy": policy}, os.environ) == Path(pretrained_path), (
+                env,
+                policy,
+            )
+    # the rendered config names it under checkpointing (NeMo-RL copies it into the policy)
+    moved = {"policy": {"model_name": str(model)},
+             "checkpointing": {"pretrained_checkpoint": {"path": str(sft), "format": "megatron_bridge"}}}  # fmt: skip
+    assert CV.megatron_base_checkpoint(moved) == sft / "iter_0000000"
 
 
 def test_megatron_converter_runs_in_the_images_megatron_venv(nemo_rl_src: Path, tmp_path: Path) -> None:
@@ -207,7 +280,21 @@ def test_lora_renders_pass_nemo_rl(stage, profile, how):
     ("stage", "profile", "how", "message"),
     [
         ("dpo", "default", {}, "needs policy.dtensor_cfg._v2: true"),
-        ("sft", "default_megatron", {}, "NeMo-RL reads LoRA from policy.megatron_cfg.peft there"),
+        (
+            "sft",
+            "default_megatron",
+            {"megatron_peft": {"enabled": False}},
+            "NeMo-RL reads LoRA from policy.megatron_cfg.peft there",
+        ),
+        # Megatron-Bridge adapts every linear layer, output_layer included, when target_modules is empty
+        ("dpo", "default_megatron", {"megatron_peft": {"target_modules": []}}, "adapts output_layer"),
+        ("rlvr", "default_megatron", {"megatron_peft": {"target_modules": ["*"]}}, "adapts output_layer"),
+        (
+            "rlhf",
+            "default_megatron",
+            {"megatron_peft": {"target_modules": ["*output_layer"]}},
+            "adapts output_layer",
+        ),
         ("rm", "default", {"_v2": True}, "freezes every base weight under LoRA"),
         ("sft", "default", {"tensor_parallel_size": 2}, "use_triton=true with tensor_parallel_size=2"),
         # an lm_head adapter: TRL cannot train it, and peft merges it into tied embeddings
@@ -222,20 +309,36 @@ def test_lora_renders_pass_nemo_rl(stage, profile, how):
     ],
 )
 def test_plan_check_refuses_lora_nemo_rl_would_ignore_or_reject(stage, profile, how, message):
+    how = dict(how)
+    megatron_peft = how.pop("megatron_peft", None)
     params = lora_params(stage, profile, how)
+    if megatron_peft is not None:
+        params[stage]["policy"].setdefault("megatron_cfg", {}).setdefault("peft", {}).update(megatron_peft)
     if stage == "rm":
         params["rm"]["policy"]["dtensor_cfg"].pop("_v2")  # rm's profile has no _v2 key: V1 as upstream
     report = preflight.check(build_context(REPO, stage, profile, params=params))
     assert not report.ok and any(message in e for e in report.errors), report.text()
 
 
-def test_engine_refuses_to_run_megatron_lora_it_could_not_publish():
-    """Megatron LoRA passes NeMo-RL's own checks, but its adapter exists only as a Megatron
-    checkpoint over a base in NeMo-RL's private cache: refused before anything runs."""
-    from alignpipe.engines.nemo_rl.engine import run
+def test_lora_on_switches_the_megatron_profile_to_megatron_lora():
+    """`dvc exp run -S profile=default_megatron -S lora=on`: every Megatron trainer stage trains
+    Megatron-Bridge LoRA (peft follows the pipeline's lora_cfg switch and shape) on every
+    projection, not the output layer, and NeMo-RL accepts each; rm stays full-weight DTensor."""
+    from alignpipe.engines.nemo_rl.engine import render_for
 
-    ctx = build_context(
-        REPO, "sft", "default_megatron", params=lora_params("sft", "default_megatron", "peft")
+    params = yaml.safe_load(compose_params_text(REPO.resolve(), ["profile=default_megatron", "lora=on"]))
+    params["dpo"]["policy"].setdefault("dtensor_cfg", {}).setdefault("lora_cfg", {})["dim"] = (
+        16  # the shape knob
     )
-    with pytest.raises(UnsupportedSetting, match="does not publish Megatron LoRA checkpoints yet"):
-        run(ctx)
+    for stage in ("sft", "dpo", "rlvr", "rlhf", "rm"):
+        ctx = build_context(REPO, stage, "default_megatron", params=params)
+        cfg = render_for(ctx)
+        peft = cfg["policy"]["megatron_cfg"].get("peft")
+        if stage == "rm":
+            assert peft is None and cfg["policy"]["megatron_cfg"]["enabled"] is False
+        else:
+            assert peft["enabled"] is True
+            assert peft["target_modules"] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+            assert (peft["dim"], peft["alpha"]) == (16 if stage == "dpo" else 8, 32)
+        report = preflight.check(ctx, cfg)
+        assert report.ok, report.text()

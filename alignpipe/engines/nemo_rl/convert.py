@@ -10,7 +10,12 @@ exist yet.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -18,6 +23,7 @@ from alignpipe.errors import AlignpipeError
 
 DCP_TO_HF = "examples/converters/convert_dcp_to_hf.py"
 MEGATRON_TO_HF = "examples/converters/convert_megatron_to_hf.py"
+LORA_TO_HF = "examples/converters/convert_lora_to_hf.py"
 
 # Formats of policy/weights, by backend.
 HF_CONSOLIDATED = "hf_consolidated"  # DTensor V2 + save_consolidated: weights/model/consolidated
@@ -27,7 +33,11 @@ MEGATRON = "megatron"  # Megatron-Bridge torch_dist: weights/iter_0000000/
 # PEFT directory (weights/model/adapter_model.safetensors + adapter_config.json), whatever
 # model_save_format and save_consolidated say; no converter reads or merges it (peft does).
 PEFT = "peft"
-FORMATS = (HF_CONSOLIDATED, DCP, MEGATRON, PEFT)
+# Megatron with megatron_cfg.peft.enabled: weights/iter_0000000 holds the adapter alone
+# (Megatron-Bridge saves only the adapter keys); convert_lora_to_hf.py reads it together with
+# the Megatron checkpoint NeMo-RL trained it on (megatron_base_checkpoint).
+MEGATRON_LORA = "megatron_lora"
+FORMATS = (HF_CONSOLIDATED, DCP, MEGATRON, PEFT, MEGATRON_LORA)
 
 
 class CheckpointFormatError(AlignpipeError):
@@ -55,9 +65,10 @@ def checkpoint_format(step_dir: Path) -> str:
     cfg = step_config(step_dir)
     policy = cfg.get("policy") or {}
     weights = step_dir / "policy" / "weights"
-    if (policy.get("megatron_cfg") or {}).get("enabled"):
+    megatron = policy.get("megatron_cfg") or {}
+    if megatron.get("enabled"):
         megatron_iter_dir(weights)
-        return MEGATRON
+        return MEGATRON_LORA if (megatron.get("peft") or {}).get("enabled") else MEGATRON
     if (weights / "model" / "adapter_model.safetensors").is_file():
         return PEFT
     if (weights / "model" / "consolidated").is_dir():
@@ -139,4 +150,80 @@ def converter_argv(
         return argv
     if fmt in (HF_CONSOLIDATED, PEFT):
         return []
+    if fmt == MEGATRON_LORA:
+        raise CheckpointFormatError(
+            "a Megatron LoRA checkpoint holds the adapter alone: convert it with lora_converter_argv, "
+            "which names its base"
+        )
     raise CheckpointFormatError(f"unknown checkpoint format '{fmt}'; expected one of {', '.join(FORMATS)}")
+
+
+def lora_converter_argv(
+    checkpoint_dir: Path,
+    out_dir: Path,
+    *,
+    base_ckpt: Path,
+    hf_model_name: str,
+    adapter_only: bool,
+    python: str | None = None,
+) -> list[str]:
+    """``convert_lora_to_hf.py`` on a Megatron LoRA ``step_N``: the adapter alone as an HF PEFT
+    directory (``adapter_only``: adapter_config.json + adapter_model.safetensors, float32), or
+    merged into its base as a full HF model. Megatron code, so it runs in ``MCORE_PYTHON``."""
+    argv = [
+        python or MCORE_PYTHON,
+        LORA_TO_HF,
+        "--base-ckpt",
+        str(base_ckpt),
+        "--adapter-ckpt",
+        str(megatron_iter_dir(Path(checkpoint_dir) / "policy" / "weights")),
+        "--hf-model-name",
+        hf_model_name,
+        "--hf-ckpt-path",
+        str(out_dir),
+    ]
+    return argv + ["--adapter-only"] if adapter_only else argv
+
+
+def megatron_checkpoint_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where NeMo-RL caches a Hugging Face model converted for Megatron
+    (``nemo_rl.models.policy.utils.get_megatron_checkpoint_dir``)."""
+    for value, tail in (
+        (environ.get("NRL_MEGATRON_CHECKPOINT_DIR"), ()),
+        (environ.get("HF_HOME"), ("nemo_rl",)),
+    ):
+        if value and value.strip():
+            return Path(value, *tail)
+    return Path(os.path.expanduser("~"), ".cache", "huggingface", "nemo_rl")
+
+
+def megatron_base_checkpoint(cfg: dict[str, Any], environ: Mapping[str, str] = os.environ) -> Path:
+    """The iteration directory NeMo-RL v0.7.0 loads as a Megatron LoRA run's base weights
+    (``nemo_rl.models.megatron.setup.validate_model_paths``): ``checkpointing.pretrained_checkpoint``
+    (format megatron_bridge) resolved to its ``iter_*``, else its cached conversion of
+    ``policy.model_name``, ``<megatron_checkpoint_dir>/<name>/iter_0000000``."""
+    policy = cfg.get("policy") or {}
+    pretrained = policy.get("pretrained_checkpoint") or (cfg.get("checkpointing") or {}).get(
+        "pretrained_checkpoint"
+    )
+    if pretrained:
+        if pretrained.get("format") != "megatron_bridge":
+            raise CheckpointFormatError(
+                f"pretrained_checkpoint format '{pretrained.get('format')}': alignpipe exports Megatron LoRA "
+                "only over a megatron_bridge base (the format its own Megatron checkpoints have)"
+            )
+        path = Path(pretrained["path"])
+        if (path / "run_config.yaml").is_file():
+            return path
+        tracker = path / "latest_checkpointed_iteration.txt"
+        if tracker.is_file():
+            iteration = tracker.read_text().strip()
+            return path / ("release" if iteration == "release" else f"iter_{int(iteration):07d}")
+        return megatron_iter_dir(path)
+    name = str(policy["model_name"])
+    subdir = f"model_{name.replace('/', '_')}" if os.path.exists(name) else name
+    overrides = policy.get("hf_config_overrides") or {}
+    if overrides:
+        canonical = json.dumps(overrides, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        subdir += "__hfovr_" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:12]
+    return megatron_checkpoint_dir(environ) / subdir / "iter_0000000"

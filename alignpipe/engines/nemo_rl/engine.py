@@ -5,11 +5,12 @@ launches, and publishes.
 
 1. render the stage's config (render.py) into ``<scratch>/nemo_rl_config.yaml``;
 2. prepare inputs NeMo-RL cannot read directly (NeMo-Gym rows; a Megatron warm start for a
-   DTensor-only stage is converted to HF first; a LoRA adapter input is merged with its chain);
+   DTensor-only stage is converted to HF first; a LoRA adapter input, also one in place of
+   sft's Megatron checkpoint, is merged with its chain);
 3. run the entry script (``python examples/run_<algo>.py --config ...``) with cwd = the
    NeMo-RL checkout, streaming its output; a non-zero exit is the stage's exit code;
 4. publish: pick the checkpoint (best by ``checkpointing.metric_name``, else latest),
-   copy or convert it into the stage's output (a DTensor LoRA run: its PEFT adapter, as
+   copy or convert it into the stage's output (a LoRA run: its PEFT adapter, as
    ``checkpoint_lora``), import TensorBoard metrics into DVCLive,
    add held-out accuracy, write ``artifact.json`` + ``resolved_config.yaml``;
 5. delete the scratch dir (only after everything is published).
@@ -41,7 +42,6 @@ from alignpipe.engines.nemo_rl.render import (
     dropped_training_knobs,
     entry_argv,
     render,
-    unpublishable,
     uses_nemo_gym,
 )
 from alignpipe.errors import AlignpipeError, ConfigError, UnsupportedSetting
@@ -137,6 +137,29 @@ def convert_megatron_inputs(
             node["tokenizer"]["name"] = str(out if has_tokenizer else Path(value) / "policy" / "tokenizer")
 
 
+def published_artifact(path: Path) -> Path | None:
+    """The published artifact ``path`` lies in (``models/sft`` for ``models/sft/policy/weights``)."""
+    for candidate in (Path(path), *Path(path).parents):
+        if (candidate / "artifact.json").is_file():
+            return candidate
+    return None
+
+
+def start_from_published_adapter(cfg: dict[str, Any]) -> None:
+    """On default_megatron, dpo, rlvr and rlhf start from sft's Megatron checkpoint
+    (``checkpointing.pretrained_checkpoint``). When sft trained a LoRA adapter instead (a
+    ``checkpoint_lora``: HF PEFT, no Megatron weights), the stage starts from that policy as HF
+    weights, its chain merged (``merge_adapter_inputs``), as on DTensor and the local engine."""
+    pretrained = (cfg.get("checkpointing") or {}).get("pretrained_checkpoint")
+    artifact = published_artifact(Path(pretrained["path"])) if pretrained else None
+    if artifact is None or artifact_type(artifact) != "checkpoint_lora":
+        return
+    del cfg["checkpointing"]["pretrained_checkpoint"]
+    cfg["policy"]["model_name"] = str(artifact)
+    if isinstance(cfg["policy"].get("tokenizer"), dict):
+        cfg["policy"]["tokenizer"]["name"] = str(artifact)  # published with the adapter
+
+
 def merge_adapter_inputs(ctx, cfg: dict[str, Any], paths: RunPaths) -> None:
     """NeMo-RL loads ``policy.model_name`` (and the RM environment's model) as full HF weights
     only: a LoRA stage's adapter input (a ``checkpoint_lora``) is merged with its chain first,
@@ -201,10 +224,19 @@ def mark_sequence_classifier(hf_dir: Path) -> None:
 
 
 def export_checkpoint(
-    choice: Choice, fmt: str, out: Path, paths: RunPaths, runner: CommandRunner, workdir: Path
-) -> None:
-    """Put the chosen checkpoint into ``out`` as HF files (or a Megatron step copy)."""
+    choice: Choice,
+    fmt: str,
+    out: Path,
+    cfg: dict[str, Any],
+    paths: RunPaths,
+    runner: CommandRunner,
+    workdir: Path,
+) -> str:
+    """Put the chosen checkpoint into ``out`` as HF files, a PEFT adapter or a Megatron step copy;
+    returns which (the manifest's ``format``: hf, peft or megatron_bridge)."""
     policy = choice.path / "policy"
+    if fmt == CV.MEGATRON_LORA:
+        return export_megatron_lora(choice, out, cfg, paths, runner, workdir)
     if fmt == CV.HF_CONSOLIDATED:
         _copy_tree_contents(policy / "weights" / "model" / "consolidated", out)
         if (policy / "tokenizer").is_dir():
@@ -232,6 +264,38 @@ def export_checkpoint(
             shutil.copytree(policy / "tokenizer", out / "policy" / "tokenizer")
     else:
         raise CV.CheckpointFormatError(f"cannot export checkpoint format '{fmt}'")
+    return {CV.PEFT: "peft", CV.MEGATRON: "megatron_bridge"}.get(fmt, "hf")
+
+
+def export_megatron_lora(
+    choice: Choice, out: Path, cfg: dict[str, Any], paths: RunPaths, runner: CommandRunner, workdir: Path
+) -> str:
+    """A Megatron LoRA run's adapter, through NeMo-RL's convert_lora_to_hf.py with the base it was
+    trained on. Over HF weights (NeMo-RL's cached conversion of ``policy.model_name``) the adapter
+    alone is published, as HF PEFT, like a DTensor LoRA run's. Over a Megatron checkpoint (sft's,
+    via ``pretrained_checkpoint``) there is no HF base for peft to apply it to, so the adapter is
+    merged into it and the full HF model is published."""
+    over_megatron = bool((cfg.get("checkpointing") or {}).get("pretrained_checkpoint"))
+    converted = paths.converted / f"{choice.path.name}-hf"
+    shutil.rmtree(converted, ignore_errors=True)  # the converter refuses an existing dir
+    argv = CV.lora_converter_argv(
+        choice.path,
+        converted,
+        base_ckpt=CV.megatron_base_checkpoint(cfg),
+        hf_model_name=str(cfg["policy"]["model_name"]),
+        adapter_only=not over_megatron,
+    )
+    code = runner(argv, workdir)
+    if code != 0:
+        raise NemoRLFailed(f"convert_lora_to_hf.py failed on {choice.path} (exit {code})", code)
+    if over_megatron:
+        _copy_tree_contents(converted, out)
+    else:
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            shutil.copy2(converted / name, out / name)
+    if (choice.path / "policy" / "tokenizer").is_dir():
+        _copy_tree_contents(choice.path / "policy" / "tokenizer", out)
+    return "hf" if over_megatron else "peft"
 
 
 def heldout_for(ctx, model_dir: Path) -> dict[str, float] | None:
@@ -269,10 +333,13 @@ def heldout_for(ctx, model_dir: Path) -> dict[str, float] | None:
 def adapter_record(ctx, out: Path) -> dict[str, Any]:
     """The published adapter's lineage (as the local engine records it): the policy it applies
     to, by repo-relative path (set in its adapter_config.json) and content hash, and its shape.
-    The policy is the rendered ``policy.model_name`` input, before any merge for NeMo-RL."""
+    The policy is the rendered ``policy.model_name`` input (or the adapter that replaces sft's
+    Megatron checkpoint, ``start_from_published_adapter``), before any merge for NeMo-RL."""
     import json
 
-    base = Path(get_path(render_for(ctx), "policy.model_name")).resolve()
+    start = render_for(ctx)
+    start_from_published_adapter(start)
+    base = Path(get_path(start, "policy.model_name")).resolve()
     try:
         relative = base.relative_to(ctx.root.resolve()).as_posix()
     except ValueError as e:
@@ -314,14 +381,14 @@ def publish(
     fmt = CV.checkpoint_format(choice.path)
     model_port = _port(ctx, ("checkpoint_hf", "checkpoint_megatron"))
     metrics_port = next((p for p in ctx.contract.produces if p.type == "dvclive"), None)
-    is_hf = fmt != CV.MEGATRON
-    is_lora = fmt == CV.PEFT
     print(
         f"nemo_rl: publishing {choice.path.name} ({choice.reason}, format {fmt}) -> {ctx.output(model_port.name)}"
     )
 
     with staged_dir(ctx.output(model_port.name)) as out:
-        export_checkpoint(choice, fmt, out, paths, runner, workdir)
+        published = export_checkpoint(choice, fmt, out, cfg, paths, runner, workdir)
+        is_hf = published != "megatron_bridge"
+        is_lora = published == "peft"
         adapter = adapter_record(ctx, out) if is_lora else None
         if ctx.name == "rm" and is_hf:
             mark_sequence_classifier(out)
@@ -340,7 +407,7 @@ def publish(
         manifest = write_manifest(
             out,
             type="checkpoint_lora" if is_lora else "checkpoint_hf" if is_hf else "checkpoint_megatron",
-            format="peft" if is_lora else "hf" if is_hf else "megatron_bridge",
+            format=published,
             stage=ctx.name,
             engine="nemo_rl",
             inputs=ctx.input_hashes,
@@ -370,6 +437,7 @@ def prepare(ctx, paths: RunPaths, runner: CommandRunner, workdir: Path) -> dict[
     cfg = render_for(ctx, paths.scratch)
     paths.scratch.mkdir(parents=True, exist_ok=True)
     convert_megatron_inputs(cfg, paths, runner, workdir)
+    start_from_published_adapter(cfg)
     merge_adapter_inputs(ctx, cfg, paths)
     if uses_nemo_gym(cfg):
         write_gym_data(ctx, cfg, paths)
@@ -379,8 +447,6 @@ def prepare(ctx, paths: RunPaths, runner: CommandRunner, workdir: Path) -> dict[
 
 def run(ctx, *, runner: CommandRunner = run_command) -> None:
     dropped = dropped_training_knobs(ctx.name, ctx.config)
-    if unpublishable(ctx.config):
-        dropped.append(unpublishable(ctx.config))
     if dropped:
         raise UnsupportedSetting(
             f"stage '{ctx.name}' (profile '{ctx.profile}') on the nemo_rl engine:\n  - "

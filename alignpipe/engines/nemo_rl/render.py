@@ -17,6 +17,7 @@ already in NeMo-RL's schema; rendering only adds what belongs to this pipeline r
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,13 +135,32 @@ def lm_head_adapted(cfg: dict[str, Any]) -> bool:
     return False  # nothing named: '*_proj'
 
 
+def megatron_output_layer_adapted(cfg: dict[str, Any]) -> bool:
+    """Whether Megatron-Bridge's LoRA would adapt ``output_layer`` (the lm_head): NeMo-RL passes
+    ``peft.target_modules`` as given, and an empty list means every linear layer but
+    ``exclude_modules`` (megatron.bridge.peft.module_matcher; ``*`` spans anything there)."""
+    peft = get_path(cfg, "policy.megatron_cfg.peft", {}) or {}
+
+    def names_output_layer(pattern: str) -> bool:
+        regex = pattern.replace("*", "(.*)")  # megatron.bridge.peft.utils.wildcard_match: unescaped
+        return pattern == "output_layer" or any(
+            re.fullmatch(regex, n) for n in ("output_layer", "module.output_layer")
+        )
+
+    targets = list(peft.get("target_modules") or [])
+    if targets:
+        return any(names_output_layer(p) for p in targets)
+    return not any(names_output_layer(p) for p in peft.get("exclude_modules") or [])
+
+
 def lora_problems(stage: str, cfg: dict[str, Any]) -> list[str]:
-    """LoRA keys NeMo-RL v0.7.0 would ignore (the other backend's) or refuse at start-up."""
+    """LoRA keys NeMo-RL v0.7.0 would ignore (the other backend's) or refuse at start-up, and
+    adapters alignpipe's engines could not train alike."""
     lora = bool(get_path(cfg, "policy.dtensor_cfg.lora_cfg.enabled"))
     peft = bool(get_path(cfg, "policy.megatron_cfg.peft.enabled"))
     megatron = bool(get_path(cfg, "policy.megatron_cfg.enabled"))
     problems = []
-    if lora and megatron:
+    if lora and megatron and not peft:
         problems.append(
             "policy.dtensor_cfg.lora_cfg.enabled=true with the Megatron backend: NeMo-RL reads LoRA from "
             "policy.megatron_cfg.peft there; set policy.megatron_cfg.peft.enabled=true instead"
@@ -168,24 +188,19 @@ def lora_problems(stage: str, cfg: dict[str, Any]) -> list[str]:
             "lm_head.weight directly), and on a model with tied embeddings peft merges it into the shared "
             "embedding. Use target_modules ['*_proj'] with match_all_linear: false"
         )
+    if peft and megatron and megatron_output_layer_adapted(cfg):
+        problems.append(
+            "policy.megatron_cfg.peft adapts output_layer (the lm_head): an empty target_modules means every "
+            "linear layer to Megatron-Bridge, and a pattern may match it. The local engine cannot train that "
+            "adapter, and peft merges it into tied embeddings. Use target_modules [linear_qkv, linear_proj, "
+            "linear_fc1, linear_fc2] (every projection, as '*_proj' on DTensor)"
+        )
     if stage == "rm" and (lora or peft):
         problems.append(
             "LoRA on the reward model: NeMo-RL freezes every base weight under LoRA, the freshly "
             "initialised score head included, so it could not learn to score; train rm with full weights"
         )
     return problems
-
-
-def unpublishable(cfg: dict[str, Any]) -> str | None:
-    """Why this engine could not publish what NeMo-RL would train, if it could not."""
-    if get_path(cfg, "policy.megatron_cfg.enabled") and get_path(cfg, "policy.megatron_cfg.peft.enabled"):
-        return (
-            "NeMo-RL accepts this Megatron LoRA config (alignpipe plan --check), but alignpipe does not "
-            "publish Megatron LoRA checkpoints yet: NeMo-RL's convert_lora_to_hf.py needs the base as the "
-            "Megatron checkpoint NeMo-RL keeps in its own cache, outside the pipeline's artifacts. Train "
-            "LoRA on the DTensor backend (policy.dtensor_cfg.lora_cfg), whose adapters alignpipe publishes"
-        )
-    return None
 
 
 def uses_nemo_gym(cfg: dict[str, Any]) -> bool:
