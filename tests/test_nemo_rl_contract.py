@@ -295,6 +295,19 @@ def test_lora_renders_pass_nemo_rl(stage, profile, how):
             {"megatron_peft": {"target_modules": ["*output_layer"]}},
             "adapts output_layer",
         ),
+        # Hugging Face names match nothing in Megatron's model
+        (
+            "sft",
+            "default_megatron",
+            {"megatron_peft": {"target_modules": ["q_proj"]}},
+            "names that layer linear_qkv",
+        ),
+        (
+            "dpo",
+            "default_megatron",
+            {"megatron_peft": {"target_modules": ["*.down_proj"]}},
+            "names that layer linear_fc2",
+        ),
         ("rm", "default", {"_v2": True}, "freezes every base weight under LoRA"),
         ("sft", "default", {"tensor_parallel_size": 2}, "use_triton=true with tensor_parallel_size=2"),
         # an lm_head adapter: TRL cannot train it, and peft merges it into tied embeddings

@@ -153,6 +153,15 @@ def megatron_output_layer_adapted(cfg: dict[str, Any]) -> bool:
     return not any(names_output_layer(p) for p in peft.get("exclude_modules") or [])
 
 
+# Hugging Face projection names a Megatron peft target_modules would match nothing with, and the
+# fused Megatron layer each lives in (megatron.bridge.models.llama's mapping).
+MEGATRON_LAYER_OF = {
+    "q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2",
+    "*_proj": "linear_qkv, linear_proj, linear_fc1, linear_fc2",
+}  # fmt: skip
+
+
 def lora_problems(stage: str, cfg: dict[str, Any]) -> list[str]:
     """LoRA keys NeMo-RL v0.7.0 would ignore (the other backend's) or refuse at start-up, and
     adapters alignpipe's engines could not train alike."""
@@ -195,6 +204,15 @@ def lora_problems(stage: str, cfg: dict[str, Any]) -> list[str]:
             "adapter, and peft merges it into tied embeddings. Use target_modules [linear_qkv, linear_proj, "
             "linear_fc1, linear_fc2] (every projection, as '*_proj' on DTensor)"
         )
+    if peft and megatron:
+        for pattern in get_path(cfg, "policy.megatron_cfg.peft.target_modules", []) or []:
+            hf_name = str(pattern).rsplit(".", 1)[-1]
+            if hf_name in MEGATRON_LAYER_OF:
+                problems.append(
+                    f"policy.megatron_cfg.peft.target_modules '{pattern}' is a Hugging Face module name, which "
+                    f"matches nothing in Megatron's model: Megatron-Bridge names that layer "
+                    f"{MEGATRON_LAYER_OF[hf_name]}"
+                )
     if stage == "rm" and (lora or peft):
         problems.append(
             "LoRA on the reward model: NeMo-RL freezes every base weight under LoRA, the freshly "
