@@ -8,13 +8,18 @@ policy may be an adapter too (a LoRA sft, then a LoRA dpo on it), so an adapter 
 chain: a full checkpoint at the root, then each adapter merged in order. Whatever needs a full
 model (the next trainer, convert) asks :func:`merged_dir`, which merges the chain once with peft's
 ``merge_and_unload`` into a cache outside the DVC outputs, keyed by every directory's content.
+A merged chain holds full weights (float32: 4 bytes per parameter), so one unused for
+``MERGED_KEEP_DAYS`` is deleted when another is merged.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import shutil
+import time
 from pathlib import Path
 
 from alignpipe.artifacts import dvc_hash, shareable, staged_dir, write_text_atomic
@@ -24,6 +29,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # An adapter on an adapter on ... : far beyond any pipeline's depth, so a loop is named, not followed.
 MAX_CHAIN = 16
+# A merged chain not used for this long is deleted when the next one is merged: an experiment
+# sweep reuses its chains within hours, and each is a full float32 copy of the model.
+MERGED_KEEP_DAYS = 7
 
 
 def is_adapter(directory: Path | str) -> bool:
@@ -110,6 +118,7 @@ def merged_dir(directory: Path | str, root: Path, cache: Path, dtype: str) -> Pa
     chain = adapter_chain(directory, root)
     out = Path(cache) / chain_key(chain)
     if (out / "config.json").is_file():
+        os.utime(out)  # used: kept by prune_merged
         return out
     from transformers import AutoTokenizer
 
@@ -117,4 +126,14 @@ def merged_dir(directory: Path | str, root: Path, cache: Path, dtype: str) -> Pa
     with staged_dir(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(directory, local_files_only=True).save_pretrained(tmp)
+    prune_merged(Path(cache), keep=out)
     return out
+
+
+def prune_merged(cache: Path, keep: Path, now: float | None = None) -> list[Path]:
+    """Delete the merged chains (and interrupted merges) in ``cache`` unused for ``MERGED_KEEP_DAYS``."""
+    cutoff = (now or time.time()) - MERGED_KEEP_DAYS * 86400
+    stale = [d for d in cache.iterdir() if d.is_dir() and d != keep and d.stat().st_mtime < cutoff]
+    for entry in stale:
+        shutil.rmtree(entry, ignore_errors=True)
+    return stale

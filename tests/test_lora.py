@@ -354,6 +354,29 @@ def test_measuring_stages_read_an_adapter_as_its_merged_chain(lora_pipeline, tmp
     assert scores["path"] == "models/sft" and scores["tasks"]["heldout_exact"]["samples"] == 64
 
 
+@pytest.mark.slow
+def test_merged_chains_unused_for_a_week_are_pruned(lora_pipeline, tmp_path):
+    """Each merged chain is a full float32 copy of the model: merging a new one deletes those
+    unused for MERGED_KEEP_DAYS (and interrupted merges); a chain in use is kept and refreshed."""
+    import os
+    import time
+
+    from alignpipe.adapters import MERGED_KEEP_DAYS, merged_dir
+
+    cache = tmp_path / "merged"
+    day = 86400
+    entries = {"stale": MERGED_KEEP_DAYS + 1, "recent": MERGED_KEEP_DAYS - 1, ".tmp-interrupted": 30}
+    for name, age in entries.items():
+        (cache / name).mkdir(parents=True)
+        (cache / name / "model.safetensors").write_bytes(b"\0" * 64)
+        os.utime(cache / name, (time.time() - age * day,) * 2)
+    out = merged_dir(lora_pipeline / "models" / "sft", lora_pipeline, cache, "float32")
+    assert sorted(p.name for p in cache.iterdir()) == sorted(["recent", out.name])
+    os.utime(out, (time.time() - 30 * day,) * 2)
+    assert merged_dir(lora_pipeline / "models" / "sft", lora_pipeline, cache, "float32") == out
+    assert time.time() - out.stat().st_mtime < day  # used again: not stale
+
+
 # ----------------------------------------------------------------------------- nemo_rl engine
 
 
