@@ -380,6 +380,28 @@ def test_merged_chains_unused_for_a_week_are_pruned(lora_pipeline, tmp_path):
 # ----------------------------------------------------------------------------- nemo_rl engine
 
 
+def test_megatron_stages_name_their_hf_start_by_content(trained_sft, tmp_path, monkeypatch):
+    """NeMo-RL caches its HF->Megatron conversion by path and reuses it whatever the directory
+    holds later. A new starting model at models/base must not train on the old one's cached
+    conversion: the stage names its weights through a link keyed by their content."""
+    from alignpipe.engines.nemo_rl import convert as CV
+    from alignpipe.engines.nemo_rl.engine import prepare
+    from alignpipe.engines.nemo_rl.render import RunPaths
+
+    root = megatron_lora_repo(trained_sft, tmp_path, monkeypatch)
+
+    def nemo_rl_cache_dir() -> Path:
+        ctx = build_context(root, "sft", "default_megatron")
+        cfg = prepare(ctx, RunPaths(ctx.scratch_dir), None, Path("/opt/nemo-rl"))
+        assert Path(cfg["policy"]["model_name"]).resolve() == (root / "models" / "base").resolve()
+        return CV.megatron_base_checkpoint(cfg)
+
+    first = nemo_rl_cache_dir()
+    assert nemo_rl_cache_dir() == first  # the same weights: converted once
+    (root / "models" / "base" / "model.safetensors").write_bytes(b"another model")
+    assert nemo_rl_cache_dir() != first
+
+
 def nemo_rl_lora_step(automodel, ctx, cfg, step_dir: Path):
     """A NeMo-RL DTensor V2 LoRA checkpoint as v0.7.0 writes it: the run's policy (the rendered
     policy.model_name) with Automodel's LoRA on it, trained (B non-zero), saved by Automodel's own
@@ -597,13 +619,15 @@ def test_megatron_lora_runs_are_published_as_adapters_and_chain(
     paths = RunPaths(ctx.scratch_dir)
     cfg = prepare(ctx, paths, bridge, nemo_rl_src)
     assert cfg["policy"]["megatron_cfg"]["peft"]["enabled"] is True
+    base = (root / "models" / "base").resolve()
+    link = Path(cfg["policy"]["model_name"])  # NeMo-RL converts it once per content, not per path
+    assert link.resolve() == base and link.name == f"base-{dvc_hash(base)[:16]}"
     megatron_lora_step(cfg, paths.checkpoints / "step_4")
     assert CV.checkpoint_format(paths.checkpoints / "step_4") == CV.MEGATRON_LORA
     manifest = publish(ctx, cfg, paths, runner=bridge, workdir=nemo_rl_src)
-    base = (root / "models" / "base").resolve()
     call = bridge.calls[-1]
-    assert call.adapter_only and call.hf_model_name == str(base)
-    assert Path(call.base_ckpt) == tmp_path / "nrl" / f"model_{str(base).replace('/', '_')}" / "iter_0000000"
+    assert call.adapter_only and call.hf_model_name == str(link)
+    assert Path(call.base_ckpt) == tmp_path / "nrl" / f"model_{str(link).replace('/', '_')}" / "iter_0000000"
     sft = root / "models" / "sft"
     assert manifest["type"] == "checkpoint_lora" and manifest["format"] == "peft"
     assert manifest["nemo_rl"]["checkpoint_format"] == CV.MEGATRON_LORA
@@ -621,9 +645,11 @@ def test_megatron_lora_runs_are_published_as_adapters_and_chain(
     cfg = prepare(ctx, paths, bridge, nemo_rl_src)
     merged = Path(cfg["policy"]["model_name"])
     assert "pretrained_checkpoint" not in cfg["checkpointing"]  # sft has no Megatron checkpoint now
-    assert merged.parent == paths.converted / "merged" and cfg["policy"]["tokenizer"]["name"] == str(
-        sft.resolve()
+    assert (
+        merged.resolve().parent == paths.converted / "merged"
+        and merged.name == f"merged-{merged.resolve().name}"
     )
+    assert cfg["policy"]["tokenizer"]["name"] == str(sft.resolve())
     megatron_lora_step(cfg, paths.checkpoints / "step_4")
     manifest = publish(ctx, cfg, paths, runner=bridge, workdir=nemo_rl_src)
     call = bridge.calls[-1]

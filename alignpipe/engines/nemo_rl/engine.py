@@ -6,7 +6,8 @@ launches, and publishes.
 1. render the stage's config (render.py) into ``<scratch>/nemo_rl_config.yaml``;
 2. prepare inputs NeMo-RL cannot read directly (NeMo-Gym rows; a Megatron warm start for a
    DTensor-only stage is converted to HF first; a LoRA adapter input, also one in place of
-   sft's Megatron checkpoint, is merged with its chain);
+   sft's Megatron checkpoint, is merged with its chain; a Megatron stage's HF weights are named
+   by content, as NeMo-RL caches their conversion by path);
 3. run the entry script (``python examples/run_<algo>.py --config ...``) with cwd = the
    NeMo-RL checkout, streaming its output; a non-zero exit is the stage's exit code;
 4. publish: pick the checkpoint (best by ``checkpointing.metric_name``, else latest),
@@ -32,6 +33,7 @@ import yaml
 from alignpipe.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, canonical_adapter, is_adapter, merged_dir
 from alignpipe.artifacts import RESOLVED_CONFIG, staged_dir, write_manifest, write_text_atomic
 from alignpipe.config import get_path
+from alignpipe.context import scratch_root
 from alignpipe.engines.nemo_rl import convert as CV
 from alignpipe.engines.nemo_rl import preflight
 from alignpipe.engines.nemo_rl.checkpoints import Choice, select_checkpoint
@@ -177,6 +179,36 @@ def merge_adapter_inputs(ctx, cfg: dict[str, Any], paths: RunPaths) -> None:
         for part in section.split("."):
             node = node[part]
         node["model_name"] = str(merged)
+
+
+# Links, under the scratch root, through which Megatron stages name their HF starting weights.
+MEGATRON_HF_LINKS = "megatron-hf"
+
+
+def key_megatron_conversion(ctx, cfg: dict[str, Any], paths: RunPaths) -> None:
+    """NeMo-RL converts a Megatron stage's HF ``policy.model_name`` once and caches it by path
+    (``<megatron_checkpoint_dir>/model_<path>``), reusing it whatever the directory holds later:
+    a new starting model at models/base would train on the old one's weights. So the stage names
+    its HF weights through a link keyed by their content (a merged chain: its chain key), which
+    NeMo-RL converts once per content, and a LoRA run's adapter names that exact base."""
+    if not get_path(cfg, "policy.megatron_cfg.enabled") or get_path(
+        cfg, "checkpointing.pretrained_checkpoint"
+    ):
+        return
+    model = Path(cfg["policy"]["model_name"])
+    if not model.is_dir():
+        return  # a Hub id: NeMo-RL's cache is keyed by the id, as the Hub's files are
+    if model.parent == paths.converted / "merged":
+        label = f"merged-{model.name}"  # merged_dir's name is already the chain's content key
+    else:
+        label = f"{model.name}-{ctx.content_hash(model).removesuffix('.dir')[:16]}"
+    link = scratch_root(ctx.params) / MEGATRON_HF_LINKS / label
+    link.parent.mkdir(parents=True, exist_ok=True)
+    staging = link.with_name(f".{label}.{os.getpid()}")
+    staging.unlink(missing_ok=True)
+    staging.symlink_to(model.resolve(), target_is_directory=True)
+    os.replace(staging, link)  # a merged chain is re-made in each run's scratch: point at this one
+    cfg["policy"]["model_name"] = str(link)
 
 
 def write_gym_data(ctx, cfg: dict[str, Any], paths: RunPaths) -> None:
@@ -439,6 +471,7 @@ def prepare(ctx, paths: RunPaths, runner: CommandRunner, workdir: Path) -> dict[
     convert_megatron_inputs(cfg, paths, runner, workdir)
     start_from_published_adapter(cfg)
     merge_adapter_inputs(ctx, cfg, paths)
+    key_megatron_conversion(ctx, cfg, paths)
     if uses_nemo_gym(cfg):
         write_gym_data(ctx, cfg, paths)
     write_text_atomic(paths.config, to_yaml(cfg, config_header(ctx)))
