@@ -242,7 +242,7 @@ LORA_RENDERS = [
     ("rlvr", "default", {}),
     ("rlhf", "default", {}),
     ("rlvr", "nemo_gym", {}),
-    ("dpo", "default", {"_v2": True}),
+    ("dpo", "default", {}),  # its profile runs V1 (as upstream's dpo.yaml) but V2 under LoRA
     ("sft", "default_megatron", "peft"),
     ("dpo", "default_megatron", "peft"),
     ("rlvr", "default_megatron", "peft"),
@@ -279,7 +279,7 @@ def test_lora_renders_pass_nemo_rl(stage, profile, how):
 @pytest.mark.parametrize(
     ("stage", "profile", "how", "message"),
     [
-        ("dpo", "default", {}, "needs policy.dtensor_cfg._v2: true"),
+        ("dpo", "default", {"_v2": False}, "needs policy.dtensor_cfg._v2: true"),
         (
             "sft",
             "default_megatron",
@@ -333,25 +333,33 @@ def test_plan_check_refuses_lora_nemo_rl_would_ignore_or_reject(stage, profile, 
     assert not report.ok and any(message in e for e in report.errors), report.text()
 
 
-def test_lora_on_switches_the_megatron_profile_to_megatron_lora():
-    """`dvc exp run -S profile=default_megatron -S lora=on`: every Megatron trainer stage trains
-    Megatron-Bridge LoRA (peft follows the pipeline's lora_cfg switch and shape) on every
-    projection, not the output layer, and NeMo-RL accepts each; rm stays full-weight DTensor."""
+@pytest.mark.parametrize("profile", PROFILES)
+def test_lora_on_is_one_knob_on_every_gpu_profile(profile):
+    """`dvc exp run -S profile=P -S lora=on` needs nothing else: every trainer stage trains LoRA
+    on the backend it runs (DTensor V2's lora_cfg, dpo's V1 profile included; Megatron-Bridge's
+    peft, which follows lora_cfg's switch and shape, on every projection, not the output layer),
+    NeMo-RL accepts each, and rm stays full-weight."""
     from alignpipe.engines.nemo_rl.engine import render_for
 
-    params = yaml.safe_load(compose_params_text(REPO.resolve(), ["profile=default_megatron", "lora=on"]))
+    params = yaml.safe_load(compose_params_text(REPO.resolve(), [f"profile={profile}", "lora=on"]))
     params["dpo"]["policy"].setdefault("dtensor_cfg", {}).setdefault("lora_cfg", {})["dim"] = (
         16  # the shape knob
     )
-    for stage in ("sft", "dpo", "rlvr", "rlhf", "rm"):
-        ctx = build_context(REPO, stage, "default_megatron", params=params)
+    for stage in STAGES:
+        ctx = build_context(REPO, stage, profile, params=params)
         cfg = render_for(ctx)
-        peft = cfg["policy"]["megatron_cfg"].get("peft")
+        policy = cfg["policy"]
         if stage == "rm":
-            assert peft is None and cfg["policy"]["megatron_cfg"]["enabled"] is False
-        else:
+            assert not policy["dtensor_cfg"].get("lora_cfg", {}).get("enabled")
+        elif policy["megatron_cfg"]["enabled"]:
+            peft = policy["megatron_cfg"]["peft"]
             assert peft["enabled"] is True
             assert peft["target_modules"] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
             assert (peft["dim"], peft["alpha"]) == (16 if stage == "dpo" else 8, 32)
+        else:
+            assert (
+                policy["dtensor_cfg"]["_v2"] is True and policy["dtensor_cfg"]["lora_cfg"]["enabled"] is True
+            )
+            assert policy["dtensor_cfg"]["lora_cfg"]["dim"] == (16 if stage == "dpo" else 8)
         report = preflight.check(ctx, cfg)
         assert report.ok, report.text()
