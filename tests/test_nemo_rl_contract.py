@@ -339,7 +339,7 @@ def test_lora_on_is_one_knob_on_every_gpu_profile(profile):
     on the backend it runs (DTensor V2's lora_cfg, dpo's V1 profile included; Megatron-Bridge's
     peft, which follows lora_cfg's switch and shape, on every projection, not the output layer),
     NeMo-RL accepts each, and rm stays full-weight."""
-    from alignpipe.engines.nemo_rl.engine import render_for
+    from alignpipe.engines.nemo_rl.engine import plan, render_for
 
     params = yaml.safe_load(compose_params_text(REPO.resolve(), [f"profile={profile}", "lora=on"]))
     params["dpo"]["policy"].setdefault("dtensor_cfg", {}).setdefault("lora_cfg", {})["dim"] = (
@@ -356,6 +356,7 @@ def test_lora_on_is_one_knob_on_every_gpu_profile(profile):
             assert peft["enabled"] is True
             assert peft["target_modules"] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
             assert (peft["dim"], peft["alpha"]) == (16 if stage == "dpo" else 8, 32)
+            assert CV.LORA_TO_HF in plan(ctx)[f"{stage}.launch.sh"]  # how the adapter is exported
         else:
             assert (
                 policy["dtensor_cfg"]["_v2"] is True and policy["dtensor_cfg"]["lora_cfg"]["enabled"] is True

@@ -534,8 +534,15 @@ def plan(ctx) -> dict[str, str]:
         f"# The {launcher_name} launcher runs `{shell_join(inner_argv(ctx))}` inside runtime.image; that\n"
         f"# writes the config below to {paths.config} and runs, with cwd {nemo_rl_dir(ctx)}:\n"
         f"#   {shell_join(entry)}\n"
-        "# then publishes the best checkpoint, metrics and artifact.json.\n"
-        "set -euo pipefail\n"
+        + (
+            f"# then exports the best checkpoint's LoRA adapter with {CV.MCORE_PYTHON} {CV.LORA_TO_HF}\n"
+            "# (alone, as HF PEFT; merged when its base is sft's Megatron checkpoint) and publishes it,\n"
+            "# the metrics and artifact.json.\n"
+            if get_path(cfg, "policy.megatron_cfg.enabled")
+            and get_path(cfg, "policy.megatron_cfg.peft.enabled")
+            else "# then publishes the best checkpoint, metrics and artifact.json.\n"
+        )
+        + "set -euo pipefail\n"
         f"cd {shell_join([str(ctx.root)])}\n"
         # What `alignpipe run` sets before launching; the launcher forwards them by name.
         + "".join(f"export {k}={shell_join([v])}\n" for k, v in sorted(pinned_env.items()))
