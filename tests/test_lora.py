@@ -385,7 +385,7 @@ def test_megatron_stages_name_their_hf_start_by_content(trained_sft, tmp_path, m
     holds later. A new starting model at models/base must not train on the old one's cached
     conversion: the stage names its weights through a link keyed by their content."""
     from alignpipe.engines.nemo_rl import convert as CV
-    from alignpipe.engines.nemo_rl.engine import prepare
+    from alignpipe.engines.nemo_rl.inputs import prepare
     from alignpipe.engines.nemo_rl.render import RunPaths
 
     root = megatron_lora_repo(trained_sft, tmp_path, monkeypatch)
@@ -449,8 +449,9 @@ def test_nemo_rl_lora_checkpoint_is_published_as_the_same_adapter(
     merged, it gives Automodel's LoRA model's logits; held-out accuracy is measured on it; and
     a next NeMo-RL stage that starts from it gets the chain merged (NeMo-RL loads full weights)."""
     from alignpipe.engines.nemo_rl import convert as CV
-    from alignpipe.engines.nemo_rl.engine import merge_adapter_inputs, publish, render_for
-    from alignpipe.engines.nemo_rl.render import RunPaths, dropped_training_knobs
+    from alignpipe.engines.nemo_rl.inputs import merge_adapter_inputs
+    from alignpipe.engines.nemo_rl.publish import publish
+    from alignpipe.engines.nemo_rl.render import RunPaths, dropped_training_knobs, render_for
     from alignpipe.measure.logprobs import load_policy
     from tests.test_nemo_rl_publish import compose_into
 
@@ -608,7 +609,8 @@ def test_megatron_lora_runs_are_published_as_adapters_and_chain(
     it from sft's Megatron checkpoint, starts from that adapter's chain merged instead, and its own
     adapter names models/sft; read back, each gives its base-plus-adapter model's logits."""
     from alignpipe.engines.nemo_rl import convert as CV
-    from alignpipe.engines.nemo_rl.engine import prepare, publish
+    from alignpipe.engines.nemo_rl.inputs import prepare
+    from alignpipe.engines.nemo_rl.publish import publish
     from alignpipe.engines.nemo_rl.render import RunPaths
     from alignpipe.measure.logprobs import load_policy
 
@@ -675,7 +677,8 @@ def test_megatron_lora_over_a_megatron_checkpoint_is_published_merged(
     import yaml
     from transformers import AutoModelForCausalLM
 
-    from alignpipe.engines.nemo_rl.engine import prepare, publish
+    from alignpipe.engines.nemo_rl.inputs import prepare
+    from alignpipe.engines.nemo_rl.publish import publish
     from alignpipe.engines.nemo_rl.render import RunPaths
 
     root = megatron_lora_repo(trained_sft, tmp_path, monkeypatch)

@@ -263,7 +263,7 @@ def lora_params(stage: str, profile: str, how) -> dict:
 @pytest.mark.parametrize(("stage", "profile", "how"), LORA_RENDERS, ids=lambda v: str(v))
 def test_lora_renders_pass_nemo_rl(stage, profile, how):
     """The LoRA config each backend reads reaches NeMo-RL's MasterConfig and entry parser intact."""
-    from alignpipe.engines.nemo_rl.engine import render_for
+    from alignpipe.engines.nemo_rl.render import render_for
 
     ctx = build_context(REPO, stage, profile, params=lora_params(stage, profile, how))
     cfg = render_for(ctx)
@@ -339,7 +339,8 @@ def test_lora_on_is_one_knob_on_every_gpu_profile(profile):
     on the backend it runs (DTensor V2's lora_cfg, dpo's V1 profile included; Megatron-Bridge's
     peft, which follows lora_cfg's switch and shape, on every projection, not the output layer),
     NeMo-RL accepts each, and rm stays full-weight."""
-    from alignpipe.engines.nemo_rl.engine import plan, render_for
+    from alignpipe.engines.nemo_rl.engine import plan
+    from alignpipe.engines.nemo_rl.render import render_for
 
     params = yaml.safe_load(compose_params_text(REPO.resolve(), [f"profile={profile}", "lora=on"]))
     params["dpo"]["policy"].setdefault("dtensor_cfg", {}).setdefault("lora_cfg", {})["dim"] = (

@@ -19,9 +19,9 @@ import yaml
 from alignpipe.context import build_context
 from alignpipe.engines.nemo_rl import convert as CV
 from alignpipe.engines.nemo_rl.checkpoints import NoCheckpointError, select_checkpoint
-from alignpipe.engines.nemo_rl.engine import publish, render_for
 from alignpipe.engines.nemo_rl.metrics import read_scalars
-from alignpipe.engines.nemo_rl.render import RunPaths
+from alignpipe.engines.nemo_rl.publish import publish
+from alignpipe.engines.nemo_rl.render import RunPaths, render_for
 from tests.conftest import REPO, set_params
 
 PROMPTS = [("sort 312", "123"), ("reverse 45", "54"), ("add 2 3", "5"), ("sort 21", "12")]
@@ -286,7 +286,7 @@ def _no_commands(argv, cwd):
 
 def test_megatron_input_to_a_dtensor_stage_is_converted_first(tmp_path: Path) -> None:
     """rm on the Megatron profile: its DTensor policy needs HF weights from the sft checkpoint_megatron."""
-    from alignpipe.engines.nemo_rl.engine import convert_megatron_inputs
+    from alignpipe.engines.nemo_rl.inputs import convert_megatron_inputs
 
     sft = tmp_path / "models" / "sft"
     (sft / "policy" / "weights" / "iter_0000000").mkdir(parents=True)

@@ -2,11 +2,12 @@
 
 The pipeline renders NeMo-RL configs, launches NeMo-RL's entry scripts, and collects
 checkpoints and metrics; it never reimplements a training loop. See engine.py for the
-flow, render.py for the config, convert.py for checkpoint formats and converters,
+flow, render.py for the config, inputs.py and publish.py for what a run reads and writes, convert.py for checkpoint formats and converters,
 metrics.py for the TensorBoard -> DVCLive name mapping, environment.py for alignpipe's
 verifiers inside NeMo-RL, and docs/GPU.md for the GPU-host workflow.
 """
 
-from alignpipe.engines.nemo_rl.engine import plan, publish, run
+from alignpipe.engines.nemo_rl.engine import plan, run
+from alignpipe.engines.nemo_rl.publish import publish
 
 __all__ = ["plan", "publish", "run"]

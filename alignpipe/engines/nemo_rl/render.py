@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from alignpipe.adapters import wildcard_match
 from alignpipe.config import get_path
 from alignpipe.errors import ConfigError
@@ -345,3 +347,27 @@ def render(
     logger["log_dir"] = str(paths.logs)
     logger["tensorboard_enabled"] = True
     return cfg
+
+
+NEMO_RL_CONFIG = "nemo_rl_config.yaml"
+
+
+def render_for(ctx, scratch: Path | None = None) -> dict[str, Any]:
+    return render(
+        ctx.name,
+        ctx.config,
+        root=ctx.root,
+        scratch=scratch or ctx.scratch_dir,
+        consumes_paths=[p.path for p in ctx.contract.consumes],
+    )
+
+
+def to_yaml(cfg: dict[str, Any], header: str = "") -> str:
+    return header + yaml.safe_dump(cfg, sort_keys=False, default_flow_style=False)
+
+
+def config_header(ctx) -> str:
+    return (
+        f"# NeMo-RL v0.7.0 config for stage '{ctx.name}' (profile '{ctx.profile}'), rendered by alignpipe\n"
+        f"# from stages/{ctx.name}/config/{ctx.profile}.yaml + params.yaml knobs + seed + pipeline paths.\n"
+    )
