@@ -110,6 +110,17 @@ def scratch_root(params: dict[str, Any]) -> Path:
     return Path(configured or Path.home() / ".cache" / "alignpipe" / "scratch").expanduser()
 
 
+@dataclass(frozen=True)
+class ImageNeed:
+    """Why a local-engine stage must run inside runtime.image (the pipeline's NeMo-RL image):
+    ``what`` asked for it ("alignpipe.heldout.backend is vllm"), the software it ``needs`` that
+    the image has ("vLLM"), and the ``fix`` when no launcher reaches the image."""
+
+    what: str
+    needs: str
+    fix: str
+
+
 @dataclass
 class StageContext:
     """Everything an engine needs to run one stage."""
@@ -139,6 +150,32 @@ class StageContext:
     def nemo_rl_launcher(self) -> str | None:
         """The launcher NeMo-RL work (training, its converter) runs through; None on the CPU engine."""
         return self.runtime["launcher"] if self.runtime["engine"] == "nemo_rl" else None
+
+    def launcher_for(self, need: ImageNeed | None = None, *, inner: bool = False) -> str | None:
+        """The one decision of where this run goes: None runs the engine in this process, else
+        the launcher that runs ``alignpipe run <stage> --inner``. ``need``: the stage's reason to
+        run inside runtime.image (``needs_image`` of its engine module), if it has one."""
+        if inner:  # already where the launcher put it
+            if need is not None:
+                raise ConfigError(
+                    f"{need.what}, but {need.needs} is not installed where the launcher ran this stage: "
+                    "runtime.image must be the pipeline's NeMo-RL image (docs/GPU.md §2)"
+                )
+            return None
+        if need is not None:
+            if self.nemo_rl_launcher in (None, "process"):
+                raise ConfigError(
+                    f"{need.what}, but {need.needs} is not installed here and runtime.engine="
+                    f"{self.runtime['engine']} / runtime.launcher={self.runtime['launcher']} gives no container "
+                    f"to run it in; {need.fix}"
+                )
+            return self.nemo_rl_launcher
+        return None if self.launcher == "process" else self.launcher
+
+    @property
+    def label(self) -> str:
+        """``stage`` or ``stage@source`` (a DVC foreach item): how the console and launchers name it."""
+        return f"{self.name}@{self.source}" if self.source else self.name
 
     @property
     def seed(self) -> int:

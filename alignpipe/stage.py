@@ -1,8 +1,9 @@
-"""Running a stage: resolve its context, pick the engine and launcher, and hand over.
+"""Running a stage: resolve its context, ask it where it runs, and run or launch it there.
 
-``alignpipe run <stage>`` (what dvc.yaml calls) either launches the stage's *inner*
-command through the configured launcher, or, with ``--inner`` / the process launcher,
-runs the engine right here.
+``alignpipe run <stage>`` (what dvc.yaml calls) either launches the stage's *inner* command
+(``--inner``) through a launcher, or runs the engine right here. The context decides which
+(``StageContext.launcher_for``: the configured launcher, or the NeMo-RL image for a local
+stage that needs it); ``launch`` below is the only place anything is launched.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from alignpipe.errors import ConfigError
 def engine_module(ctx: StageContext):
     """The module that runs this stage on its engine: ``run(ctx)``."""
     if ctx.engine == "nemo_rl":
-        return importlib.import_module("alignpipe.engines.nemo_rl")
+        return importlib.import_module("alignpipe.engines.nemo_rl.engine")
     try:
         return importlib.import_module(f"alignpipe.engines.local.{ctx.name}")
     except ModuleNotFoundError as e:
@@ -55,37 +56,49 @@ def check_running_code(root: Path) -> None:
     )
 
 
+def needs_image(ctx: StageContext, module=None):
+    """The stage's reason to run inside runtime.image (its engine module's ``needs_image``), if any."""
+    module = module or engine_module(ctx)
+    return module.needs_image(ctx) if hasattr(module, "needs_image") else None
+
+
+def launch(ctx: StageContext, launcher_name: str) -> int:
+    """Run ``alignpipe run <stage> --inner`` through ``launcher_name``, with the one environment
+    every launched stage gets, and check its outputs came back. The one place a stage launches."""
+    from alignpipe.launch import get_launcher
+    from alignpipe.launch.base import forwarded_env
+
+    launcher = get_launcher(launcher_name, ctx.runtime, ctx.params)
+    env = {**forwarded_env(), **OFFLINE_ENV, "ALIGNPIPE_ROOT": str(ctx.root)}
+    code = launcher.run(inner_argv(ctx), stage=ctx.label, workdir=ctx.root, env=env)
+    if code == 0:
+        launcher.check_outputs(list(ctx.outputs.values()))
+    else:
+        print(
+            f"alignpipe: stage '{ctx.label}' failed on the {launcher_name} launcher (exit {code})",
+            file=sys.stderr,
+        )
+    return code
+
+
 def run_stage(
     root: Path, stage: str, *, inner: bool = False, profile: str | None = None, source: str | None = None
 ) -> int:
     set_offline_env()
     ctx = build_context(root, stage, profile, source=source)
-    label = f"{stage}@{source}" if source else stage
     if not inner:  # a launcher's inner run is the same stage: one header
-        console.header(label, ctx.engine, ctx.profile, get_path(ctx.config, "policy.model_name", None))
-    if inner or ctx.launcher == "process":
-        check_running_code(root)
-        if inner:  # a stage that hands work to a launcher must not do it again from inside it
-            os.environ["ALIGNPIPE_INNER"] = "1"
-        if ctx.engine == "local":
-            set_cpu_env()
-        console.quiet_libraries(console.raw_log_path(root, label))
-        engine_module(ctx).run(ctx)
-        if os.environ.get("ALIGNPIPE_TIMING"):  # benchmarks/: wall and CPU time of the whole stage process
-            from alignpipe.timing import record_timing
+        console.header(ctx.label, ctx.engine, ctx.profile, get_path(ctx.config, "policy.model_name", None))
+    module = engine_module(ctx)
+    launcher = ctx.launcher_for(needs_image(ctx, module), inner=inner)
+    if launcher is not None:
+        return launch(ctx, launcher)
+    check_running_code(root)
+    if ctx.engine == "local":
+        set_cpu_env()
+    console.quiet_libraries(console.raw_log_path(root, ctx.label))
+    module.run(ctx)
+    if os.environ.get("ALIGNPIPE_TIMING"):  # benchmarks/: wall and CPU time of the whole stage process
+        from alignpipe.timing import record_timing
 
-            record_timing(f"{stage}@{source}" if source else stage, "end")
-        return 0
-    from alignpipe.launch import get_launcher
-    from alignpipe.launch.base import forwarded_env
-
-    launcher = get_launcher(ctx.launcher, ctx.runtime, ctx.params)
-    env = {**forwarded_env(), **OFFLINE_ENV, "ALIGNPIPE_ROOT": str(root)}
-    code = launcher.run(inner_argv(ctx), stage=stage, workdir=root, env=env)
-    if code == 0:
-        launcher.check_outputs(list(ctx.outputs.values()))
-    else:
-        print(
-            f"alignpipe: stage '{stage}' failed on the {ctx.launcher} launcher (exit {code})", file=sys.stderr
-        )
-    return code
+        record_timing(ctx.label, "end")
+    return 0

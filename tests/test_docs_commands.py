@@ -481,6 +481,8 @@ def reference_errors(text: str, rel: str, markdown: bool) -> list[str]:
     for span in spans:
         for ref in PATH_REF.findall(span):
             ref = ref.split("#")[0].rstrip(".,:")
+            while ref.endswith("}") and ref.count("}") > ref.count("{"):
+                ref = ref[:-1]  # the end of an interpolation it sits in: ${resolver:...,path}
             for one in expand_braces(ref):
                 pattern = re.sub(r"<[^>]+>", "*", one).rstrip("/")
                 if pattern and not list(REPO.glob(pattern)):

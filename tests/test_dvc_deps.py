@@ -108,19 +108,36 @@ def as_deps(files: set[Path]) -> set[str]:
     return deps
 
 
-def entry_modules(stage: str) -> list[Path]:
-    """What ``alignpipe run <stage>`` imports to run the stage (stage.engine_module)."""
-    contract = C.load_contract(REPO, stage)
-    entries = [PACKAGE / "engines" / "local" / f"{stage}.py"]
-    if "nemo_rl" in contract.engines:
-        entries.append(PACKAGE / "engines" / "nemo_rl" / "__init__.py")
-    return entries
+def entry_modules(stage: str, engine: str = "local") -> list[Path]:
+    """What ``alignpipe run <stage>`` imports to run the stage on ``engine`` (stage.engine_module)."""
+    if engine == "nemo_rl":
+        return [PACKAGE / "engines" / "nemo_rl" / "engine.py"]
+    return [PACKAGE / "engines" / "local" / f"{stage}.py"]
+
+
+# A trainer stage's deps on the NeMo-RL engine's code: params derived from runtime.engine
+# (hydra_plugins/alignpipe_engine_dep.py), each the path below on the nemo_rl engine.
+ENGINE_DEPS = {
+    "${runtime.engine_deps.nemo_rl}": "alignpipe/engines/nemo_rl",
+    "${runtime.engine_deps.launch}": "alignpipe/launch",
+}
+
+
+def on_nemo_rl(stage: str) -> bool:
+    return "nemo_rl" in C.load_contract(REPO, stage).engines
+
+
+def stage_spec(stage: str) -> dict:
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    return stages[stage].get("do", stages[stage])  # foreach stages keep their deps under `do`
 
 
 def listed_code_deps(stage: str) -> set[str]:
-    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
-    spec = stages[stage].get("do", stages[stage])  # foreach stages keep their deps under `do`
-    return {d.rstrip("/") for d in spec.get("deps", []) if d.startswith("alignpipe/") or d == "alignpipe"}
+    return {
+        d.rstrip("/")
+        for d in stage_spec(stage).get("deps", [])
+        if d.startswith("alignpipe/") or d == "alignpipe"
+    }
 
 
 STAGES = list(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
@@ -136,6 +153,45 @@ def test_dvc_yaml_lists_exactly_the_code_each_stage_imports(stage):
         f"imports (transitively).\n  missing (add to deps): {missing}\n  extra (remove): {extra}\n"
         "  fix: python -m tests.test_dvc_deps (rewrites the code deps of dvc.yaml)"
     )
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_nemo_rl_engines_code_is_a_dep_exactly_where_it_can_run(stage):
+    """A trainer stage on NeMo-RL also runs the nemo_rl engine and what it imports: the two
+    derived deps cover exactly that on the nemo_rl engine, and are nothing on the local one."""
+    from hydra_plugins.alignpipe_engine_dep import ON_THE_LOCAL_ENGINE
+
+    listed = {d for d in stage_spec(stage).get("deps", []) if d in ENGINE_DEPS}
+    if not on_nemo_rl(stage):
+        assert not listed, f"'{stage}' never runs on NeMo-RL, yet lists {sorted(listed)}"
+        return
+    assert listed == set(ENGINE_DEPS), f"'{stage}' runs on NeMo-RL: list {sorted(ENGINE_DEPS)} in its deps"
+    local = closure(entry_modules(stage))
+    added = closure(entry_modules(stage, "nemo_rl")) - local
+    covered = [d for d in ENGINE_DEPS.values()]
+    outside = sorted(
+        str(f.relative_to(REPO))
+        for f in added
+        if not any(str(f.relative_to(REPO)).startswith(d + "/") for d in covered)
+    )
+    assert not outside, f"the nemo_rl engine runs {outside}, which no dep of '{stage}' covers"
+    assert ON_THE_LOCAL_ENGINE in {str(f.relative_to(REPO)) for f in local}
+
+
+def test_engine_deps_resolve_per_engine_as_the_runtime_decides():
+    """The derived params point at NeMo-RL's code exactly when alignpipe.context picks nemo_rl."""
+    from alignpipe.context import LOCAL_PROFILES, runtime_settings
+    from hydra_plugins.alignpipe_engine_dep import LOCAL_PROFILES as PLUGIN_LOCAL
+    from hydra_plugins.alignpipe_engine_dep import ON_THE_LOCAL_ENGINE, engine_dep
+
+    assert PLUGIN_LOCAL == LOCAL_PROFILES
+    for profile in ("tiny", "small", "default", "default_megatron", "nemo_gym"):
+        for engine in ("auto", "local", "nemo_rl"):
+            chosen = runtime_settings({"runtime": {"engine": engine}}, profile)["engine"]
+            want = "alignpipe/launch" if chosen == "nemo_rl" else ON_THE_LOCAL_ENGINE
+            assert engine_dep(engine, profile, "alignpipe/launch") == want, (engine, profile)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    assert params["runtime"]["engine_deps"] == {"nemo_rl": ON_THE_LOCAL_ENGINE, "launch": ON_THE_LOCAL_ENGINE}
 
 
 def test_walk_sees_function_level_imports():
@@ -163,7 +219,10 @@ def rewrite_dvc_yaml() -> None:
                 items.append(lines[i].strip()[2:])
                 i += 1
             code = sorted(as_deps(closure(entry_modules(stage))))
-            out += [f"{indent}- {d}" for d in code + [d for d in items if not d.startswith("alignpipe/")]]
+            if on_nemo_rl(stage):
+                code += list(ENGINE_DEPS)
+            others = [d for d in items if not d.startswith("alignpipe/") and d not in ENGINE_DEPS]
+            out += [f"{indent}- {d}" for d in code + others]
             stage = None
             continue
         out.append(line)

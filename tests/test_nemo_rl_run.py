@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from alignpipe.context import build_context
-from alignpipe.engines.nemo_rl import run
+from alignpipe.engines.nemo_rl.engine import run
 from tests.test_nemo_rl_publish import compose_into, tiny_hf, write_prepared
 
 STAND_IN = textwrap.dedent(

@@ -29,9 +29,8 @@ from typing import Any
 from alignpipe import console
 from alignpipe.artifacts import staged_dir, write_json_atomic, write_text_atomic
 from alignpipe.config import get_path
-from alignpipe.context import StageContext, lift_offline_env
+from alignpipe.context import ImageNeed, StageContext, lift_offline_env
 from alignpipe.engines.local import training
-from alignpipe.engines.local.handover import launch_script, run_in_image
 from alignpipe.engines.local.publish import write_record
 from alignpipe.errors import ConfigError
 from alignpipe.measure.benchmarks import BenchmarkTask, benchmark_tasks, score_names, where
@@ -104,8 +103,7 @@ def make_lm(backend: str, section: dict[str, Any], policy_dir: Path, seed: int):
 
 
 def plan(ctx: StageContext) -> dict[str, str]:
-    """``alignpipe plan benchmark --source X``: the config, the lm-eval call and, for vllm on a
-    host without it, the exact launch of the inner run."""
+    """``alignpipe plan benchmark --source X``: the config and the lm-eval call."""
 
     section = dict(get_path(ctx.config, "alignpipe.benchmark", {}) or {})
     backend = backend_of(section)
@@ -120,9 +118,19 @@ def plan(ctx: StageContext) -> dict[str, str]:
         f"{label}.config.yaml": ctx.resolved_config_yaml(),
         f"{label}.lm_eval.json": json.dumps(call, indent=2) + "\n",
     }
-    if backend == "vllm" and ctx.nemo_rl_launcher not in (None, "process"):
-        files[f"{label}.launch.sh"] = launch_script(ctx)
-    return files
+    return files  # the launch: alignpipe.cli.plan_files, in the image when needs_image says so
+
+
+def needs_image(ctx: StageContext) -> ImageNeed | None:
+    """lm-eval's vllm backend runs where vLLM is: on a host without it, in the NeMo-RL image."""
+    section = dict(get_path(ctx.config, "alignpipe.benchmark", {}) or {})
+    if backend_of(section) == "vllm" and importlib.util.find_spec("vllm") is None:
+        return ImageNeed(
+            f"{where('backend')} is vllm",
+            "vLLM",
+            "use hf, or a GPU profile's launcher (container, slurm or ray)",
+        )
+    return None
 
 
 def plain(value: Any) -> Any:
@@ -159,8 +167,6 @@ def run(ctx: StageContext) -> None:
 
     check_chat_template(tasks, AutoTokenizer.from_pretrained(policy_dir, local_files_only=True), policy_dir)
 
-    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        return run_in_image(ctx, where("backend"))
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 

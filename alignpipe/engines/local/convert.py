@@ -16,8 +16,8 @@ The source's ``artifact.json`` ``format`` picks the path in:
   serving on that base with vLLM's ``--enable-lora`` or peft's ``PeftModel``;
 * NeMo-RL's ``dcp`` and ``megatron`` (``torch_dist``): NeMo-RL's own converter
   (``alignpipe.engines.nemo_rl.convert.converter_argv``) writes an HF directory first.
-  It needs NeMo-RL, so it runs where NeMo-RL is: in this process's environment when it
-  is inside the container, otherwise through the configured launcher (the container).
+  It needs NeMo-RL, so on a host without it the whole stage runs inside the NeMo-RL image
+  (``needs_image``; alignpipe.stage launches it there).
 
 Before anything is published the export is verified the way a user will load it:
 ``AutoModelForCausalLM.from_pretrained(..., local_files_only=True)``, greedy generation
@@ -44,7 +44,7 @@ from alignpipe.artifacts import (
     write_text_atomic,
 )
 from alignpipe.config import get_path
-from alignpipe.context import StageContext
+from alignpipe.context import ImageNeed, StageContext
 from alignpipe.engines.local import training
 from alignpipe.engines.local.publish import write_hf_manifest
 from alignpipe.errors import AlignpipeError, ConfigError
@@ -114,26 +114,23 @@ def nemo_rl_converter_argv(ctx: StageContext, ckpt: Path, fmt: str, out: Path) -
     return [a if not a.startswith("examples/converters/") else f"{nemo_rl_dir}/{a}" for a in argv]
 
 
-def run_converter(ctx: StageContext, argv: list[str]) -> None:
-    """Run NeMo-RL's converter here if NeMo-RL is importable (inside the image), else through the
-    launcher the NeMo-RL engine uses (the container, or a Slurm/Ray job running it)."""
-    if importlib.util.find_spec("nemo_rl") is not None:
-        code = subprocess.run(argv, cwd=ctx.runtime.get("nemo_rl_dir", "/opt/nemo-rl")).returncode
-    else:
-        fmt = argv[1].rsplit("/", 1)[-1]
-        if ctx.nemo_rl_launcher in (None, "process"):
-            raise ConfigError(
-                f"{ctx.input('checkpoint')} holds a NeMo-RL checkpoint ({fmt}); NeMo-RL's converter needs "
-                f"NeMo-RL, which is not installed here, and runtime.engine={ctx.runtime['engine']} / "
-                f"runtime.launcher={ctx.runtime['launcher']} gives no container to run it in. Use the profile "
-                "that trained it (runtime.engine=nemo_rl with the container, slurm or ray launcher), or run "
-                "this stage inside the NeMo-RL image."
-            )
-        from alignpipe.launch import get_launcher
-        from alignpipe.launch.base import forwarded_env
+def needs_image(ctx: StageContext) -> ImageNeed | None:
+    """A NeMo-RL checkpoint goes through NeMo-RL's own converter, which runs where NeMo-RL is:
+    on a host without it, the whole stage runs in the NeMo-RL image."""
+    fmt = source_manifest(ctx).get("format", "hf")
+    if fmt in NEMO_RL_FORMATS and importlib.util.find_spec("nemo_rl") is None:
+        return ImageNeed(
+            f"{ctx.input('checkpoint')} holds a NeMo-RL checkpoint ({fmt})",
+            "NeMo-RL's converter",
+            "use the profile that trained it (runtime.engine=nemo_rl with the container, slurm or ray "
+            "launcher), or run this stage inside the NeMo-RL image",
+        )
+    return None
 
-        launcher = get_launcher(ctx.nemo_rl_launcher, ctx.runtime, ctx.params)
-        code = launcher.run(argv, stage=f"{ctx.name}@{ctx.source}", workdir=ctx.root, env=forwarded_env())
+
+def run_converter(ctx: StageContext, argv: list[str]) -> None:
+    """NeMo-RL's converter, in NeMo-RL's directory (this run is where NeMo-RL is: ``needs_image``)."""
+    code = subprocess.run(argv, cwd=ctx.runtime.get("nemo_rl_dir", "/opt/nemo-rl")).returncode
     if code != 0:
         raise AlignpipeError(f"NeMo-RL converter failed (exit {code}): {' '.join(argv)}")
 

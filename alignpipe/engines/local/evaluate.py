@@ -39,10 +39,9 @@ from alignpipe.artifacts import (
     write_text_atomic,
 )
 from alignpipe.config import get_path
-from alignpipe.context import StageContext
+from alignpipe.context import ImageNeed, StageContext
 from alignpipe.engines.local import training
 from alignpipe.engines.local.convert import make_shareable
-from alignpipe.engines.local.handover import launch_script, run_in_image
 from alignpipe.engines.local.publish import write_record
 from alignpipe.errors import ConfigError
 from alignpipe.measure.benchmarks import max_drops, read_scores, regressions
@@ -200,27 +199,35 @@ def write_results(ctx: StageContext, metrics: dict[str, Any], samples: list[dict
 
 
 def plan(ctx: StageContext) -> dict[str, str]:
-    """``alignpipe plan evaluate``: the config and the launch. With ``heldout.backend: vllm`` (GPU
-    profiles) the stage runs inside the NeMo-RL image through that engine's launcher, and
-    ``evaluate.vllm.json`` shows the sampling each policy gets there."""
+    """``alignpipe plan evaluate``: the config; with ``heldout.backend: vllm`` (GPU profiles),
+    ``evaluate.vllm.json``: the sampling each policy gets inside the NeMo-RL image
+    (``needs_image``). The launch is alignpipe.cli.plan_files'."""
     settings = heldout_settings(ctx)
     files = {f"{ctx.name}.config.yaml": ctx.resolved_config_yaml()}
     if sampling_backend(settings) == "vllm" and ctx.nemo_rl_launcher not in (None, "process"):
-        files[f"{ctx.name}.launch.sh"] = launch_script(ctx)
         sampling = sampling_args(settings)
         policies = [e["path"] for e in get_path(ctx.config, "alignpipe.evaluate.policies", [])]
         call = {"llm": {**vllm_engine(settings), "seed": settings.get("seed")},
                 "sampling": sampling, "policies": policies}  # fmt: skip
         files[f"{ctx.name}.vllm.json"] = json.dumps(call, indent=2) + "\n"
-    return files  # without vLLM: the default launch (alignpipe.cli.plan_files)
+    return files
+
+
+def needs_image(ctx: StageContext) -> ImageNeed | None:
+    """Sampling with vLLM runs where vLLM is: on a host without it, in the NeMo-RL image."""
+    if sampling_backend(heldout_settings(ctx)) == "vllm" and importlib.util.find_spec("vllm") is None:
+        return ImageNeed(
+            "alignpipe.heldout.backend is vllm",
+            "vLLM",
+            "use hf, or a GPU profile's launcher (container, slurm or ray)",
+        )
+    return None
 
 
 def run(ctx: StageContext) -> None:
     import torch
 
     settings = heldout_settings(ctx)
-    if sampling_backend(settings) == "vllm" and importlib.util.find_spec("vllm") is None:
-        return run_in_image(ctx, "alignpipe.heldout.backend")
     on_vllm = drawing_backend(settings) == "vllm"  # vLLM is here whenever it was asked for
     training.apply_torch_threads(ctx)  # tiny: 1 thread (benchmarks/RESULTS.md)
     ev = dict(get_path(ctx.config, "alignpipe.evaluate", {}) or {})

@@ -5,9 +5,8 @@ checkpoints and metrics; it never reimplements a training loop. See engine.py fo
 flow, render.py for the config, inputs.py and publish.py for what a run reads and writes, convert.py for checkpoint formats and converters,
 metrics.py for the TensorBoard -> DVCLive name mapping, environment.py for alignpipe's
 verifiers inside NeMo-RL, and docs/GPU.md for the GPU-host workflow.
+
+The package imports nothing itself: alignpipe.stage runs ``engine`` (``run``, ``plan``), and the
+local engine's convert stage reads ``convert`` (the converters' command lines) without pulling in
+the renderer, so that neither becomes a dependency of a stage that never runs it.
 """
-
-from alignpipe.engines.nemo_rl.engine import plan, run
-from alignpipe.engines.nemo_rl.publish import publish
-
-__all__ = ["plan", "publish", "run"]
