@@ -14,15 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import GIT_ENV, REPO
 
 CHECK_LOCK = REPO / "benchmarks" / "check_lock.sh"
-GIT_ENV = {
-    "GIT_AUTHOR_NAME": "t",
-    "GIT_AUTHOR_EMAIL": "t@t",
-    "GIT_COMMITTER_NAME": "t",
-    "GIT_COMMITTER_EMAIL": "t@t",
-}
 
 
 def sh(cwd: Path, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -244,12 +238,21 @@ def test_stages_run_in_the_directory_dvc_runs_them_in_not_dvc_root(tmp_path: Pat
 # ----------------------------------------------------------------------------- the real pipeline, run
 
 
-def lock_differences(got: str, want: str) -> list[str]:
-    """Stages whose dvc.lock entries differ, each with the paths whose hashes moved."""
+def lock_differences(got: str, want: str, *, skip_outs_of: set[str] = frozenset()) -> list[str]:
+    """Stages whose dvc.lock entries differ, each with the paths whose hashes moved. The outputs
+    of ``skip_outs_of`` stages (and the deps that are those outputs) are left out."""
     got_stages, want_stages = yaml.safe_load(got)["stages"], yaml.safe_load(want)["stages"]
+    skipped = {out["path"] for name in skip_outs_of for out in want_stages.get(name, {}).get("outs", [])}
+
+    def kept(entry: dict) -> dict:
+        return {
+            kind: [e for e in value if e.get("path") not in skipped] if kind in ("deps", "outs") else value
+            for kind, value in entry.items()
+        }
+
     differences = []
     for name in sorted(set(got_stages) | set(want_stages)):
-        a, b = got_stages.get(name, {}), want_stages.get(name, {})
+        a, b = kept(got_stages.get(name, {})), kept(want_stages.get(name, {}))
         if a != b:
             moved = [
                 e["path"] for kind in ("deps", "outs") for e in a.get(kind, []) if e not in b.get(kind, [])
@@ -258,16 +261,62 @@ def lock_differences(got: str, want: str) -> list[str]:
     return differences
 
 
-@pytest.mark.slow
-def test_the_pipeline_reproduces_its_lock_and_an_rlhf_experiment_reruns_only_its_chain(tmp_path: Path):
-    """What `make repro` does on a fresh clone, for real: every stage runs and dvc.lock comes out
-    byte-identical to the committed one (every output's hash: each model, export and score).
-    Then `dvc exp run` with another rlhf knob runs exactly rlhf, its export, its benchmark and
-    evaluate, and `dvc metrics show` has every policy's benchmark scores."""
-    from tests.conftest import copy_repo
+# The machine kind dvc.lock was written on. What a model computes is exact on one kind of CPU
+# only: torch picks its kernels by instruction set and vendor, and a float sum taken in another
+# order ends in other bits, so a commit trains byte-identical models run after run on one kind
+# of host and slightly different ones on another. Elsewhere the lock check keeps to what no CPU
+# changes (code, params, prepared data, the starting model), and the stage tests hold the
+# trained outcomes to their thresholds.
+LOCK_MACHINE = REPO / "benchmarks" / "lock_machine.json"
 
-    root = copy_repo(tmp_path / "repo", git=True)
-    committed = (root / "dvc.lock").read_text()
+
+def machine_kind() -> dict:
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    fields = dict(
+        (k.strip(), v.strip())
+        for k, v in (line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
+    )
+    return {
+        "cpu": " ".join(fields.get(k, "?") for k in ("vendor_id", "cpu family", "model", "model name")),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "cores": os.cpu_count(),
+    }
+
+
+def computing_stages(index: dict) -> set[str]:
+    """Stages whose outputs hold what a model computed (weights trained, scores measured):
+    every stage after base. prep and base themselves are exact anywhere."""
+    return downstream(index, {"base"}) - {"base"}
+
+
+@pytest.mark.slow
+def test_the_pipeline_reproduces_its_lock_and_an_rlhf_experiment_reruns_only_its_chain(
+    tiny_pipeline, index, tmp_path: Path
+):
+    """What `make repro` does on a fresh clone, for real (the session's ``tiny_pipeline``): every
+    stage runs and dvc.lock comes out byte-identical to the committed one (every output's hash:
+    each model, export and score) on the kind of machine that wrote it (``LOCK_MACHINE``). Then `dvc exp run` with another rlhf knob runs exactly rlhf,
+    its export, its benchmark and evaluate, and `dvc metrics show` has every policy's benchmark
+    scores."""
+    import json
+
+    from tests.conftest import writable_copy
+
+    committed = tiny_pipeline.committed_lock
+    assert set(tiny_pipeline.ran) == set(yaml.safe_load(committed)["stages"]), tiny_pipeline.ran
+    got = (tiny_pipeline.root / "dvc.lock").read_text()
+    if machine_kind() == json.loads(LOCK_MACHINE.read_text()):
+        assert got == committed, "dvc.lock is not what the committed run produced:\n" + "\n".join(
+            lock_differences(got, committed)
+        )
+    else:  # another CPU kind: everything but the trained floats
+        differences = lock_differences(got, committed, skip_outs_of=computing_stages(index))
+        assert not differences, "dvc.lock differs beyond trained weights:\n" + "\n".join(differences)
+
+    root = writable_copy(tiny_pipeline.root, tmp_path / "repo")
     env = {**os.environ, **GIT_ENV, "ALIGNPIPE_SCRATCH": str(tmp_path / "scratch"), "PYTHONHASHSEED": "0"}
 
     def dvc(*argv: str) -> str:
@@ -277,15 +326,6 @@ def test_the_pipeline_reproduces_its_lock_and_an_rlhf_experiment_reruns_only_its
         )
         return proc.stdout
 
-    ran = re.findall(r"Running stage '([^']+)'", dvc("repro"))
-    assert set(ran) == set(yaml.safe_load(committed)["stages"]), ran
-    got = (root / "dvc.lock").read_text()
-    assert got == committed, "dvc.lock is not what the committed run produced:\n" + "\n".join(
-        lock_differences(got, committed)
-    )
-
-    import json
-
     steps = json.loads((root / "results" / "rlhf" / "metrics.json").read_text())["step"]
     ran = re.findall(r"Running stage '([^']+)'", dvc("exp", "run", "-S", "rlhf.grpo.max_num_steps=10"))
     assert sorted(ran) == ["benchmark@rlhf", "convert@rlhf", "evaluate", "rlhf"], ran
@@ -294,3 +334,28 @@ def test_the_pipeline_reproduces_its_lock_and_an_rlhf_experiment_reruns_only_its
         tasks = shown[f"results/benchmark/{policy}/metrics.json"]["data"]["tasks"]
         assert {"heldout_exact", "preference_choice"} <= set(tasks), (policy, tasks)
     assert shown["results/rlhf/metrics.json"]["data"]["step"] < steps  # the experiment's shorter rlhf
+
+
+@pytest.mark.slow
+def test_a_launcher_or_renderer_edit_reruns_no_tiny_stage_and_a_trainer_edit_its_chain(
+    tiny_pipeline, index, tmp_path: Path
+):
+    """The tiny stages depend on the code they run and nothing else: editing the Slurm launcher
+    or NeMo-RL's config renderer leaves `dvc repro --dry` with nothing to do; editing the local
+    DPO trainer re-runs exactly dpo and what reads its outputs."""
+    from tests.conftest import writable_copy
+
+    root = writable_copy(tiny_pipeline.root, tmp_path / "repo")
+
+    def would_run() -> set[str]:
+        proc = sh(root, "dvc", "repro", "--dry")
+        return set(re.findall(r"Running stage '([^']+)'", proc.stdout))
+
+    edited = ["alignpipe/launch/slurm.py", "alignpipe/engines/nemo_rl/render.py"]
+    for rel in edited:
+        with (root / rel).open("a") as f:
+            f.write("# an edit\n")
+    assert would_run() == set()
+    with (root / "alignpipe/engines/local/dpo.py").open("a") as f:
+        f.write("# an edit\n")
+    assert would_run() == downstream(index, {"dpo"}) == {"dpo", "convert@dpo", "benchmark@dpo", "evaluate"}
