@@ -1,6 +1,7 @@
 # Two commands set up and exercise everything on a fresh machine:
 #   make repro   -> virtual environment, install, run the whole pipeline (tiny CPU profile)
 #   make test    -> virtual environment, install, run the test suite
+# And one to iterate with: make test-quick (no training, no services; a few minutes).
 PYTHON ?= python3
 VENV   ?= .venv
 # torch goes in first, on its own, so the index it comes from can be chosen. From PyPI,
@@ -19,8 +20,11 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export PYTHONHASHSEED := 0
 PYTEST_ARGS ?=
+# Test workers: one per core (pytest-xdist). TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= auto
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
-.PHONY: venv repro test lint clean-scratch
+.PHONY: venv repro test test-quick lint clean-scratch
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,7 +39,13 @@ repro: venv
 	$(BIN)/dvc repro
 
 test: venv
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+
+# Everything that neither trains a model (the `slow` marker, which every test using a trained
+# fixture gets) nor starts podman, Slurm or Ray.
+QUICK := not slow and not container and not slurm and not ray
+test-quick: venv
+	$(BIN)/python -m pytest $(XDIST) -m "$(QUICK)" $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/ruff check alignpipe tests benchmarks

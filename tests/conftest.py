@@ -7,6 +7,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,25 @@ for _k, _v in OFFLINE.items():
 _BIN = str(Path(sys.executable).parent)
 if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
     os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
+
+
+# Fixtures that train: a test that uses one is `slow` whatever its own marks say, so the quick
+# tier (`make test-quick`: -m "not slow and not container and not slurm and not ray") never trains.
+TRAINING_FIXTURES = ("trained_sft", "tiny_pipeline")
+
+
+# `make test` runs the suite on every core (pytest-xdist, --dist loadgroup). Each test module
+# stays on one worker, so a module's fixtures are built once; the modules that start Slurm and
+# Ray clusters share one, so no two clusters run at once.
+CLUSTER_MODULES = ("test_slurm", "test_ray", "test_ray_auth")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if any(name in item.fixturenames for name in TRAINING_FIXTURES):
+            item.add_marker(pytest.mark.slow)
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        item.add_marker(pytest.mark.xdist_group("clusters" if module in CLUSTER_MODULES else module))
 
 
 # A stand-in for `dvc repro`: runs a command through `/bin/sh -c`, as DVC does when SHELL is
@@ -139,6 +159,14 @@ def run_cli(root: Path, *args: str, env: dict | None = None, check: bool = True,
     return proc
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_scratch(tmp_path_factory) -> None:
+    """Stages a test runs without naming a scratch dir keep their checkpoints under this worker's
+    temp dir, not ~/.cache: two workers running the same stage on copies named `repo` would
+    otherwise share (and delete) one scratch dir."""
+    os.environ.setdefault("ALIGNPIPE_SCRATCH", str(tmp_path_factory.getbasetemp() / "scratch"))
+
+
 @pytest.fixture
 def repo_copy(tmp_path: Path, monkeypatch) -> Path:
     """A fresh copy of the project with its own scratch dir."""
@@ -167,6 +195,26 @@ def writable_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+def build_once(tmp_path_factory, name: str, build) -> Path:
+    """``build(dir)`` once per test session, whichever worker asks first (pytest-xdist starts one
+    process per core); the others wait for it and get the same directory. A build that failed
+    is tried again by the next worker that asks, which then fails the same way."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    target, done = shared / name, shared / f"{name}.done"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            if target.exists():
+                set_writable(target, True)
+                shutil.rmtree(target)
+            target.mkdir()
+            build(target)
+            done.touch()
+    return target
+
+
 @pytest.fixture(scope="session")
 def trained_sft(tmp_path_factory) -> Path:
     """A repo copy with prep, base and a briefly trained SFT policy, shared by trainer tests.
@@ -174,14 +222,76 @@ def trained_sft(tmp_path_factory) -> Path:
     Read-only, so that test order cannot change results: a test that writes (runs a stage,
     edits params.yaml) fails loudly with PermissionError; it works on ``writable_copy``.
     """
-    tmp = tmp_path_factory.mktemp("pipeline")
-    root = copy_repo(tmp / "repo")
-    env = {"ALIGNPIPE_SCRATCH": str(tmp / "scratch")}
-    set_params(root, FAST_SFT)
-    for stage in ("prep", "base", "sft"):
-        run_cli(root, "run", stage, env=env)
-    set_writable(root, False)
-    return root
+
+    def build(tmp: Path) -> None:
+        root = copy_repo(tmp / "repo")
+        env = {"ALIGNPIPE_SCRATCH": str(tmp / "scratch")}
+        set_params(root, FAST_SFT)
+        for stage in ("prep", "base", "sft"):
+            run_cli(root, "run", stage, env=env)
+        set_writable(root, False)
+
+    return build_once(tmp_path_factory, "trained-sft", build) / "repo"
+
+
+GIT_ENV = {
+    "GIT_AUTHOR_NAME": "t",
+    "GIT_AUTHOR_EMAIL": "t@t",
+    "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@t",
+}
+
+
+@dataclass(frozen=True)
+class Reproduced:
+    """The committed tiny pipeline after one ``dvc repro`` (``tiny_pipeline``)."""
+
+    root: Path  # a git + DVC copy of the project with every stage's outputs; read-only
+    ran: list[str]  # the stages `dvc repro` ran, in order
+    committed_lock: str  # dvc.lock as committed, before the run rewrote it
+    log: str  # what `dvc repro` printed: each stage's console, stdout and stderr
+
+    def metrics(self, stage: str) -> dict:
+        import json
+
+        return json.loads((self.root / "results" / stage / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory) -> Reproduced:
+    """The committed tiny pipeline, reproduced once per test session with `dvc repro` on a fresh
+    git + DVC copy (what `make repro` does on a clone), and shared by every test that reads a
+    trained model, an export or a score. Read-only: a test that runs a stage or a `dvc` command
+    works on ``writable_copy(tiny_pipeline.root, ...)``."""
+    import json
+    import re
+
+    def build(tmp: Path) -> None:
+        root = copy_repo(tmp / "repo", git=True)
+        (tmp / "committed.lock").write_text((root / "dvc.lock").read_text())
+        env = {
+            **os.environ,
+            **OFFLINE,
+            **GIT_ENV,
+            "ALIGNPIPE_SCRATCH": str(tmp / "scratch"),
+            "PYTHONHASHSEED": "0",
+        }
+        proc = subprocess.run(["dvc", "repro"], cwd=root, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise AssertionError(
+                f"dvc repro of the tiny pipeline failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+            )
+        (tmp / "repro.log").write_text(proc.stdout + proc.stderr)
+        (tmp / "ran.json").write_text(json.dumps(re.findall(r"Running stage '([^']+)'", proc.stdout)))
+        set_writable(root, False)
+
+    tmp = build_once(tmp_path_factory, "tiny-pipeline", build)
+    return Reproduced(
+        tmp / "repo",
+        json.loads((tmp / "ran.json").read_text()),
+        (tmp / "committed.lock").read_text(),
+        (tmp / "repro.log").read_text(),
+    )
 
 
 # --- NeMo-RL v0.7.0 source (vendored as data in ../shared/vendor; never copied into the repo) ---
@@ -259,17 +369,23 @@ def nemo_rl_schema_python() -> Path:
     """A small cached venv with ``NEMO_RL_SCHEMA_PINS``; built once (about 10 s from PyPI)."""
     import hashlib
 
+    from filelock import FileLock
+
     key = hashlib.sha256(" ".join(NEMO_RL_SCHEMA_PINS).encode()).hexdigest()[:12]
     venv = Path.home() / ".cache" / "alignpipe" / f"nemo-rl-schema-venv-{key}"
     python, done = venv / "bin" / "python", venv / ".complete"
-    if not done.is_file():
-        shutil.rmtree(venv, ignore_errors=True)  # a half-built venv from an interrupted run
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "--no-deps", *NEMO_RL_SCHEMA_PINS], check=True
-        )
-        done.write_text("\n".join(NEMO_RL_SCHEMA_PINS) + "\n")
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{venv}.lock"):  # one builder at a time: the suite runs on every core
+        if not done.is_file():
+            _build_schema_venv(venv, python, done)
     return python
+
+
+def _build_schema_venv(venv: Path, python: Path, done: Path) -> None:
+    shutil.rmtree(venv, ignore_errors=True)  # a half-built venv from an interrupted run
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", *NEMO_RL_SCHEMA_PINS], check=True)
+    done.write_text("\n".join(NEMO_RL_SCHEMA_PINS) + "\n")
 
 
 @pytest.fixture(scope="session")
@@ -300,10 +416,15 @@ def nemo_rl_runtime_python() -> Path:
     import hashlib
     import sysconfig
 
+    from filelock import FileLock
+
     key = hashlib.sha256(" ".join((sys.prefix, *NEMO_RL_RUNTIME_PINS)).encode()).hexdigest()[:12]
     venv = Path.home() / ".cache" / "alignpipe" / f"nemo-rl-runtime-venv-{key}"
     python, done = venv / "bin" / "python", venv / ".complete"
-    if not done.is_file():
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{venv}.lock"):  # one builder at a time: the suite runs on every core
+        if done.is_file():
+            return python
         shutil.rmtree(venv, ignore_errors=True)  # a half-built venv from an interrupted run
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],

@@ -50,8 +50,16 @@ def fetch_gguf(cache: Path = CACHE) -> Path:
 
 def build(out: Path = DEFAULT_OUT, cache: Path = CACHE) -> Path:
     """The Hugging Face directory at ``out`` (built once; a finished build has config.json)."""
+    from filelock import FileLock
+
     if (out / "config.json").is_file():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{out}.lock"):  # the test suite runs on every core: one builder at a time
+        return out if (out / "config.json").is_file() else _build(out, cache)
+
+
+def _build(out: Path, cache: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

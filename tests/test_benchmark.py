@@ -23,13 +23,10 @@ REPO_TASKS = REPO / TASKS
 
 
 @pytest.fixture(scope="module")
-def benchmarked(trained_sft: Path, tmp_path_factory) -> Path:
-    """The starting model and the SFT policy benchmarked with the tiny profile's tasks."""
-    root = writable_copy(trained_sft, tmp_path_factory.mktemp("bench") / "repo")
-    env = {"ALIGNPIPE_SCRATCH": str(root.parent / "scratch")}
-    for source in ("base", "sft"):
-        run_cli(root, "run", "benchmark", "--source", source, env=env)
-    return root
+def benchmarked(tiny_pipeline, tmp_path_factory) -> Path:
+    """Every policy benchmarked with the tiny profile's tasks by the shared ``tiny_pipeline``'s
+    benchmark stages; a copy this module's tests may re-run stages in."""
+    return writable_copy(tiny_pipeline.root, tmp_path_factory.mktemp("bench") / "repo")
 
 
 def read(root: Path, policy: str) -> dict:
@@ -47,9 +44,9 @@ def test_scores_are_published_per_policy_and_sft_learned(benchmarked: Path) -> N
             *metrics["tasks"]["preference_choice"].values(),
         ):
             assert score >= 0
-    # The random starting model answers nothing; the briefly trained SFT policy some.
+    # The random starting model answers nothing; the SFT policy most (0.77-0.84 measured).
     assert base["tasks"]["heldout_exact"]["exact_match"] == 0.0
-    assert sft["tasks"]["heldout_exact"]["exact_match"] >= 0.1  # 40 steps of FAST_SFT
+    assert sft["tasks"]["heldout_exact"]["exact_match"] >= 0.5
     assert sft["tasks"]["preference_choice"]["acc"] > base["tasks"]["preference_choice"]["acc"]
     manifest = json.loads((benchmarked / "results" / "benchmark" / "sft" / "artifact.json").read_text())
     assert manifest["type"] == "report" and manifest["inputs"]["policy"]["path"].endswith("models/sft")

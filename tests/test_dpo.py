@@ -13,10 +13,7 @@ from alignpipe.artifacts import dvc_hash, read_manifest
 from alignpipe.context import build_context
 from alignpipe.engines.local import training
 from alignpipe.jsonl import read_jsonl
-from tests.conftest import REPO, run_cli, set_params, writable_copy
-
-# Short run, same code path as the committed profile: validation at steps 0, 20 and 40.
-FAST_DPO = {"dpo": {"dpo": {"max_num_steps": 40, "val_period": 20}}}
+from tests.conftest import REPO
 
 
 def tsv(path: Path) -> list[tuple[int, float]]:
@@ -25,11 +22,10 @@ def tsv(path: Path) -> list[tuple[int, float]]:
 
 
 @pytest.fixture(scope="module")
-def dpo_run(trained_sft: Path, tmp_path_factory) -> Path:
-    root = writable_copy(trained_sft, tmp_path_factory.mktemp("dpo") / "repo")
-    set_params(root, FAST_DPO)
-    run_cli(root, "run", "dpo", env={"ALIGNPIPE_SCRATCH": str(tmp_path_factory.mktemp("dpo-scratch"))})
-    return root
+def dpo_run(tiny_pipeline) -> Path:
+    """The committed profile's DPO policy (100 steps from the 250-step SFT policy), trained once
+    per session by the shared ``tiny_pipeline``."""
+    return tiny_pipeline.root
 
 
 @pytest.mark.slow
@@ -41,15 +37,19 @@ def test_dpo_raises_preference_accuracy_and_margin(dpo_run: Path):
     # At step 0 the policy is the reference: every implicit reward is exactly 0.
     assert accuracy[0] == (0, 0.0) and margin[0][1] == pytest.approx(0.0, abs=1e-6)
     assert kl[0][1] == pytest.approx(0.0, abs=1e-6)
-    # From a 40-step SFT policy, 40 DPO steps reach ~0.64 (measured); the full profile gets 0.87.
-    assert accuracy[-1][1] >= 0.6, f"val preference accuracy only reached {accuracy[-1][1]}"
+    # 200 validation pairs; measured 0.975 to 0.985 on two CPU kinds.
+    assert accuracy[-1][1] >= 0.85, f"val preference accuracy only reached {accuracy[-1][1]}"
     assert margin[-1][1] > margin[1][1] > 0.0, f"margin did not grow: {margin}"
     assert kl[-1][1] > 0.0
 
     metrics = json.loads((dpo_run / "results" / "dpo" / "metrics.json").read_text())
     val = metrics["val"]
     assert val["reward_margin"] == pytest.approx(val["chosen_reward"] - val["rejected_reward"], abs=1e-5)
-    assert 0.0 <= metrics["heldout"]["accuracy"] <= 1.0 and metrics["heldout"]["mean_length"] > 0
+    assert metrics["heldout"]["mean_length"] > 0
+    # The same 300 held-out prompts as SFT's: +10 points is what the profile promises (measured
+    # +19.7 and +22.3 on two CPU kinds; a 95% interval on the difference is about +-7 points).
+    sft = json.loads((dpo_run / "results" / "sft" / "metrics.json").read_text())["heldout"]["accuracy"]
+    assert metrics["heldout"]["accuracy"] >= sft + 0.10, (metrics["heldout"]["accuracy"], sft)
     assert "preference_accuracy" in metrics["train"]
 
 

@@ -25,32 +25,23 @@ FAST_GRPO = {
 
 
 @pytest.fixture(scope="module")
-def rm_repo(trained_sft, tmp_path_factory) -> Path:
-    """The shared SFT repo plus a briefly trained reward model from the real rm stage."""
-    tmp = tmp_path_factory.mktemp("rlhf")
-    root = tmp / "repo"
-    writable_copy(trained_sft, root)
-    set_params(root, {"rm": {"rm": {"max_num_steps": 20}}})
-    run_cli(root, "run", "rm", env={"ALIGNPIPE_SCRATCH": str(tmp / "scratch")})
-    return root
+def rlhf_repo(tiny_pipeline) -> Path:
+    """The committed profile's RLHF policy (GRPO on the reward model's score, from the 250-step
+    SFT policy), trained once per session by the shared ``tiny_pipeline``."""
+    return tiny_pipeline.root
 
 
-@pytest.fixture(scope="module")
-def rlhf_repo(rm_repo) -> Path:
-    set_params(rm_repo, {"rlhf": FAST_GRPO})
-    proc = run_cli(rm_repo, "run", "rlhf", env={"ALIGNPIPE_SCRATCH": str(rm_repo.parent / "scratch")})
-    (rm_repo / "rlhf.stderr").write_text(proc.stderr)
-    return rm_repo
-
-
-def test_rlhf_reports_rm_scores_against_the_sft_reference(rlhf_repo):
+def test_rlhf_raises_the_rm_score_over_the_sft_reference_without_losing_accuracy(rlhf_repo, tiny_pipeline):
     metrics = json.loads((rlhf_repo / "results/rlhf/metrics.json").read_text())
     held = metrics["heldout"]
     for key in ("rm_score", "rm_score_reference", "accuracy", "accuracy_reference", "kl_to_reference"):
         assert isinstance(held[key], float), key
-    assert held["reward_hacking_suspected"] in (0.0, 1.0)
-    flagged = "reward hacking suspected" in (rlhf_repo / "rlhf.stderr").read_text()
-    assert flagged == (held["reward_hacking_suspected"] == 1.0)
+    # The same 300 held-out prompts, scored by the same reward model (measured 3.39 -> 3.88 and
+    # 0.43 -> 0.86 on two CPU kinds), and no held-out accuracy given up for it.
+    assert held["rm_score"] > held["rm_score_reference"], held
+    assert held["accuracy"] >= held["accuracy_reference"], held
+    assert held["reward_hacking_suspected"] == 0.0
+    assert "reward hacking suspected" not in tiny_pipeline.log
     for key in (*GRPO_TRAIN_METRICS, "rm_score"):
         assert isinstance(metrics["train"][key], float), key
     assert curve(rlhf_repo, "rlhf", "train/kl")[-1] > 0  # beta > 0 and the policy moved
@@ -82,8 +73,7 @@ def test_rlhf_policy_reloads_and_changed(rlhf_repo):
 
 def test_judge_mode_runs_and_counts_unparseable_verdicts(rlhf_repo, tmp_path):
     """Mechanics only: a tiny digit model as judge mostly cannot produce a grade."""
-    root = tmp_path / "repo"
-    shutil.copytree(rlhf_repo, root)
+    root = writable_copy(rlhf_repo, tmp_path / "repo")
     for out in ("models/rlhf", "results/rlhf"):
         shutil.rmtree(root / out)
     knobs = {
@@ -103,9 +93,7 @@ def test_judge_mode_runs_and_counts_unparseable_verdicts(rlhf_repo, tmp_path):
 def test_evaluate_reuses_what_rlhf_and_rm_measured_and_it_equals_measuring_again(rlhf_repo, tmp_path):
     """rlhf publishes its held-out KL and per-sample RM scores with the samples, and rm its scores
     of the SFT reference's samples; rlhf and evaluate take them when they name the same models."""
-    root = tmp_path / "repo"
-    shutil.copytree(rlhf_repo, root)
-    run_cli(root, "run", "convert", "--source", "rlhf")
+    root = writable_copy(rlhf_repo, tmp_path / "repo")  # exports/rlhf: convert@rlhf's
     policies = [{"name": "sft", "path": "models/sft"}, {"name": "rlhf", "path": "exports/rlhf"}]
     set_params(
         root,

@@ -34,24 +34,37 @@ def curve(root: Path, stage: str, name: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def rlvr_repo(trained_sft, tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("rlvr")
-    root = tmp / "repo"
-    writable_copy(trained_sft, root)
+def rlvr_repo(tiny_pipeline) -> Path:
+    """The committed profile's RLVR policy (50 GRPO steps from the 250-step SFT policy), trained
+    once per session by the shared ``tiny_pipeline``."""
+    return tiny_pipeline.root
+
+
+def test_a_shaped_reward_is_what_grpo_learns(trained_sft, tmp_path):
+    """The smallest run that shows reward shaping reaching the trainer: from the 40-step SFT
+    policy, which rarely answers correctly, a length penalty is the only dense signal, and GRPO
+    must follow it within a few steps: shorter answers, higher reward."""
+    root = writable_copy(trained_sft, tmp_path / "repo")
     set_params(root, {"rlvr": FAST_RLVR})
-    run_cli(root, "run", "rlvr", env={"ALIGNPIPE_SCRATCH": str(tmp / "scratch")})
-    return root
-
-
-def test_training_raises_reward_and_moves_away_from_sft(rlvr_repo):
-    reward = curve(rlvr_repo, "rlvr", "train/reward_mean")
-    length = curve(rlvr_repo, "rlvr", "train/response_length_mean")
+    run_cli(root, "run", "rlvr", env={"ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")})
+    reward = curve(root, "rlvr", "train/reward_mean")
+    length = curve(root, "rlvr", "train/response_length_mean")
     assert len(reward) == FAST_RLVR["grpo"]["max_num_steps"]  # one point per GRPO step
     first, last = sum(reward[:3]) / 3, sum(reward[-3:]) / 3
     assert last > first, reward
     assert sum(length[-3:]) / 3 < sum(length[:3]) / 3, length
-    kl = curve(rlvr_repo, "rlvr", "train/kl")
+    kl = curve(root, "rlvr", "train/kl")
     assert kl[-1] > 0  # beta > 0: the policy drifted from the reference and it is measured
+
+
+def test_verifiable_rewards_raise_heldout_accuracy_over_sft(rlvr_repo):
+    """On the same 300 held-out prompts as the SFT reference (measured +15 and +22 points on two
+    CPU kinds; a 95% interval on the difference is about +-7 points)."""
+    held = json.loads((rlvr_repo / "results/rlvr/metrics.json").read_text())["heldout"]
+    assert held["accuracy"] >= held["accuracy_reference"] + 0.08, held
+    sft = json.loads((rlvr_repo / "results/sft/metrics.json").read_text())["heldout"]["accuracy"]
+    assert held["accuracy_reference"] == sft  # the reference is the SFT policy's own measure, reused
+    assert curve(rlvr_repo, "rlvr", "train/kl")[-1] > 0  # beta > 0: the drift is measured
 
 
 # What an operator reads off every GRPO stage's results/<stage>/metrics.json "train" section.
@@ -76,8 +89,12 @@ def test_metrics_json_has_every_operator_metric(rlvr_repo):
     held = metrics["heldout"]
     # one accuracy per task in the held-out set (the tiny mix is sort and reverse)
     tasks = {json.loads(line)["task"] for line in (rlvr_repo / "data/prepared/rlvr/test.jsonl").open()}
+    n = sum(1 for _ in (rlvr_repo / "data/prepared/rlvr/test.jsonl").open())
     for key in ("accuracy", "accuracy_reference", *(f"accuracy_{t}" for t in sorted(tasks))):
-        assert 0.0 <= held[key] <= 1.0, key
+        # a share of the held-out prompts: strictly inside (0, 1) for a policy that learned
+        # something and not everything, and a multiple of 1/n for the whole set
+        assert 0.0 < held[key] < 1.0, (key, held[key])
+    assert round(held["accuracy"] * n, 6) == round(held["accuracy"] * n)
     assert held["kl_to_reference"] > 0
 
 

@@ -12,34 +12,7 @@ from safetensors.torch import load_file
 from alignpipe.artifacts import dvc_hash, read_manifest
 from alignpipe.engines.local import training
 from alignpipe.jsonl import read_jsonl
-from tests.conftest import run_cli, set_params, writable_copy
-
-# Short run, same code path as the committed profile. The fixture's SFT policy has only 40
-# steps, and on all three tasks an RM needs hundreds of steps to move off chance from it; on
-# the sort pairs alone (sortedness is checkable locally) 100 small steps take it from ~0.5 to
-# ~0.75 (measured), which is what this test needs to see: learning, quickly.
-SORT_DATA = "rm-test-data"
-FAST_RM = {
-    "rm": {
-        "rm": {"max_num_steps": 100, "max_num_epochs": 10, "val_period": 50},
-        "data": {
-            "train": {"data_path": f"{SORT_DATA}/train.jsonl"},
-            "validation": {"data_path": f"{SORT_DATA}/validation.jsonl"},
-        },
-        "policy": {"train_global_batch_size": 32, "train_micro_batch_size": 32},
-    }
-}
-
-
-def sort_pairs(root: Path) -> None:
-    """The sort-task preference pairs, outside data/prepared (whose hash other tests check)."""
-    out = root / SORT_DATA
-    out.mkdir(exist_ok=True)
-    for split in ("train", "validation"):
-        rows = read_jsonl(root / f"data/prepared/preference/{split}.jsonl")
-        (out / f"{split}.jsonl").write_text(
-            "".join(json.dumps(r) + "\n" for r in rows if r["task"] == "sort")
-        )
+from tests.conftest import run_cli, set_params
 
 
 def tsv(path: Path) -> list[tuple[int, float]]:
@@ -48,12 +21,10 @@ def tsv(path: Path) -> list[tuple[int, float]]:
 
 
 @pytest.fixture(scope="module")
-def rm_run(trained_sft: Path, tmp_path_factory) -> Path:
-    root = writable_copy(trained_sft, tmp_path_factory.mktemp("rm") / "repo")
-    sort_pairs(root)
-    set_params(root, FAST_RM)
-    run_cli(root, "run", "rm", env={"ALIGNPIPE_SCRATCH": str(tmp_path_factory.mktemp("rm-scratch"))})
-    return root
+def rm_run(tiny_pipeline) -> Path:
+    """The committed profile's reward model (150 steps on the 250-step SFT policy), trained once
+    per session by the shared ``tiny_pipeline``."""
+    return tiny_pipeline.root
 
 
 @pytest.mark.slow
@@ -63,7 +34,8 @@ def test_rm_learns_to_rank_chosen_above_rejected(rm_run: Path):
     assert accuracy[0][0] == 0, "the untrained head is measured before the first step"
     untrained, trained = accuracy[0][1], accuracy[-1][1]
     assert 0.3 < untrained < 0.7, f"a random head should rank pairs near chance, got {untrained}"
-    assert trained >= 0.68 and trained > untrained + 0.12, f"accuracy {untrained} -> {trained}"
+    # 200 validation pairs, so a standard error of ~0.03; measured 0.83 to 0.885 on two CPU kinds.
+    assert trained >= 0.80 and trained > untrained + 0.25, f"accuracy {untrained} -> {trained}"
     margin = tsv(plots / "val" / "reward_margin.tsv")
     assert margin[-1][1] > max(0.0, margin[0][1]), f"margin {margin[0][1]} -> {margin[-1][1]}"
     loss = tsv(plots / "train" / "loss.tsv")
@@ -99,7 +71,7 @@ def test_rm_reloads_as_a_classifier_and_records_lineage(rm_run: Path):
     # The reloaded model reproduces the published validation accuracy.
     from alignpipe.context import build_context
 
-    rows = read_jsonl(rm_run / SORT_DATA / "validation.jsonl")
+    rows = read_jsonl(rm_run / "data" / "prepared" / "preference" / "validation.jsonl")
     pairs = training.preference_examples(tokenizer, rows, build_context(rm_run, "rm").config)
     again = pairwise_metrics(model, tokenizer, pairs)
     published = json.loads((rm_run / "results" / "rm" / "metrics.json").read_text())["val"]
@@ -109,7 +81,8 @@ def test_rm_reloads_as_a_classifier_and_records_lineage(rm_run: Path):
     assert manifest["type"] == "checkpoint_hf" and manifest["stage"] == "rm"
     assert manifest["inputs"]["policy"]["hash"] == dvc_hash(rm_run / "models" / "sft")
     assert manifest["reward_model_type"] == "bradley_terry"
-    assert "max_num_steps: 100" in (out / "resolved_config.yaml").read_text()
+    steps = json.loads((rm_run / "results" / "rm" / "metrics.json").read_text())["step"]
+    assert f"max_num_steps: {steps}" in (out / "resolved_config.yaml").read_text()
 
 
 def test_rm_refuses_other_reward_model_types(repo_copy: Path):
