@@ -20,8 +20,10 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export PYTHONHASHSEED := 0
 PYTEST_ARGS ?=
-# Test workers: one per core (pytest-xdist). TEST_WORKERS=0 runs the suite in one process.
-TEST_WORKERS ?= auto
+# Test workers (pytest-xdist): 0 runs the suite in one process. The suite is CPU-bound (each
+# stage's torch uses every core), so on 2 cores two workers only slow each other: 42 min against
+# about 33 in one process (benchmarks/RESULTS.md). On a larger machine: make test TEST_WORKERS=auto.
+TEST_WORKERS ?= 0
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: venv repro test test-quick lint clean-scratch
