@@ -21,8 +21,8 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export PYTHONHASHSEED := 0
 PYTEST_ARGS ?=
 # Test workers (pytest-xdist): 0 runs the suite in one process. The suite is CPU-bound (each
-# stage's torch uses every core), so on 2 cores two workers only slow each other: 42 min against
-# about 33 in one process (benchmarks/RESULTS.md). On a larger machine: make test TEST_WORKERS=auto.
+# stage's torch uses every core), so on 2 cores two workers gain nothing: 42 min against
+# about 39 in one process (benchmarks/RESULTS.md). On a larger machine: make test TEST_WORKERS=auto.
 TEST_WORKERS ?= 0
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
