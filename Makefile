@@ -20,10 +20,10 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export PYTHONHASHSEED := 0
 PYTEST_ARGS ?=
-# Test workers (pytest-xdist): 0 runs the suite in one process. The suite is CPU-bound (each
-# stage's torch uses every core), so on 2 cores two workers gain nothing: 42 min against
-# about 39 in one process (benchmarks/RESULTS.md). On a larger machine: make test TEST_WORKERS=auto.
-TEST_WORKERS ?= 0
+# Test workers (pytest-xdist), one per core: most of a test's time is one stage process that
+# keeps one core busy (imports, small tensors), so on 2 cores two workers took 42 min where
+# one process took 61 (benchmarks/RESULTS.md). TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= auto
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: venv repro test test-quick lint clean-scratch
