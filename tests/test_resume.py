@@ -38,7 +38,13 @@ GRPO = {
 SHORT = {"max_num_steps": 20, "val_period": 10, "val_at_start": True}
 SETTINGS = {
     "sft": {"sft": SHORT, "checkpointing": {"save_period": 15}},
-    "rm": {"rm": SHORT, "checkpointing": {"save_period": 15}},
+    # 32 pairs in two micro-batches, not the profile's 128: accumulation still spans a step, at a
+    # quarter of the compute (the resume logic is the same at any batch size).
+    "rm": {
+        "rm": SHORT,
+        "checkpointing": {"save_period": 15},
+        "policy": {"train_global_batch_size": 32, "train_micro_batch_size": 16},
+    },
     "dpo": {"dpo": SHORT, "checkpointing": {"save_period": 15}},
     "rlvr": GRPO,
     "rlhf": GRPO,
@@ -143,26 +149,43 @@ def test_killed_stage_resumes_to_the_uninterrupted_outputs(
 LORA = {"policy": {"dtensor_cfg": {"lora_cfg": {"enabled": True}}}}
 
 
+@pytest.fixture(scope="module")
+def straight_lora_run(trained_sft, tmp_path_factory):
+    """``straight_lora_run(stage)``: the repo of an uninterrupted LoRA run of ``stage``, run once
+    per module (sft's serves both of its kill points)."""
+    runs: dict[str, Path] = {}
+
+    def get(stage: str) -> Path:
+        if stage not in runs:
+            runs[stage] = _lora_copy(trained_sft, tmp_path_factory.mktemp(f"straight_lora_{stage}"), stage)
+            run_cli(runs[stage], "run", stage, env={"ALIGNPIPE_SCRATCH": str(runs[stage].parent / "scratch")})
+        return runs[stage]
+
+    return get
+
+
+def _lora_copy(trained_sft: Path, dst: Path, stage: str) -> Path:
+    root = writable_copy(trained_sft, dst / "repo")
+    for out in (root / "models" / stage, root / "results" / stage):
+        shutil.rmtree(out, ignore_errors=True)
+    set_params(root, {stage: {**SETTINGS[stage], **LORA}})
+    return root
+
+
 @pytest.mark.parametrize(("stage", "which"), [("sft", "first"), ("sft", "last"), ("dpo", "first")])
-def test_killed_lora_stage_resumes_to_the_same_adapter(stage, which, trained_sft, tmp_path):
+def test_killed_lora_stage_resumes_to_the_same_adapter(
+    stage, which, straight_lora_run, trained_sft, tmp_path
+):
     """A LoRA stage killed at a checkpoint resumes to the same adapter bytes (and outputs) as an
     uninterrupted run: the checkpoint holds the adapter and its optimizer state, not the base."""
-    runs = {}
-    for name in ("straight", "killed"):
-        root = writable_copy(trained_sft, tmp_path / name / "repo")
-        for out in (root / "models" / stage, root / "results" / stage):
-            shutil.rmtree(out, ignore_errors=True)
-        set_params(root, {stage: {**SETTINGS[stage], **LORA}})
-        env = {"ALIGNPIPE_SCRATCH": str(tmp_path / name / "scratch")}
-        if name == "killed":
-            _kill_at_checkpoint(root, stage, env, which)
-            assert "resuming from" in run_cli(root, "run", stage, env=env).stdout
-        else:
-            run_cli(root, "run", stage, env=env)
-        runs[name] = root
-    assert (runs["straight"] / "models" / stage / "adapter_model.safetensors").is_file()
+    straight = straight_lora_run(stage)
+    root = _lora_copy(trained_sft, tmp_path, stage)
+    env = {"ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")}
+    _kill_at_checkpoint(root, stage, env, which)
+    assert "resuming from" in run_cli(root, "run", stage, env=env).stdout
+    assert (straight / "models" / stage / "adapter_model.safetensors").is_file()
     for out in (f"models/{stage}", f"results/{stage}"):
-        differences = _differences(runs["straight"] / out, runs["killed"] / out)
+        differences = _differences(straight / out, root / out)
         assert not differences, f"LoRA {stage} resumed after its {which} checkpoint:\n" + "\n".join(
             differences
         )
