@@ -24,8 +24,7 @@ PYTEST_ARGS ?=
 # keeps one core busy (imports, small tensors), so on 2 cores two workers took 42 min where
 # one process took 61 (benchmarks/RESULTS.md). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= auto
-# Workers take whole modules in the order tests/conftest.py's schedule_order gives (longest first).
-XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: venv repro test test-quick lint clean-scratch
 

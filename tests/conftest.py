@@ -46,39 +46,11 @@ CLUSTER_MODULES = ("test_slurm", "test_ray", "test_ray_auth")
 
 
 def pytest_collection_modifyitems(items) -> None:
-    groups: dict[str, list] = {}
     for item in items:
         if any(name in item.fixturenames for name in TRAINING_FIXTURES):
             item.add_marker(pytest.mark.slow)
         module = item.module.__name__.rsplit(".", 1)[-1]
-        group = "clusters" if module in CLUSTER_MODULES else module
-        item.add_marker(pytest.mark.xdist_group(group))
-        groups.setdefault(group, []).append(item)
-    items[:] = [item for group in schedule_order(groups) for item in groups[group]]
-
-
-HEAVY_MARKS = ("slow", "container", "slurm", "ray")
-
-
-def schedule_order(groups: dict[str, list]) -> list[str]:
-    """The order workers take the groups in (`--dist loadgroup --no-loadscope-reorder`: whole
-    groups, first come first served), longest first so the last group to finish starts early:
-    the group that builds ``tiny_pipeline`` (about 8 minutes) leads, the other groups that train
-    or start services follow, most such tests first, then the groups that read the built pipeline
-    (by then it is built, so no worker waits on its lock), then the quick groups. In one process
-    the order changes nothing but which failure shows first."""
-
-    def heavy(group: str) -> int:
-        return sum(any(item.get_closest_marker(m) for m in HEAVY_MARKS) for item in groups[group])
-
-    def reads_pipeline(group: str) -> bool:
-        return any("tiny_pipeline" in item.fixturenames for item in groups[group])
-
-    readers = [g for g in groups if reads_pipeline(g)]
-    builder = readers[:1]
-    trainers = sorted((g for g in groups if heavy(g) and g not in readers), key=heavy, reverse=True)
-    quick = [g for g in groups if not heavy(g) and g not in readers]
-    return [*builder, *trainers, *readers[1:], *quick]
+        item.add_marker(pytest.mark.xdist_group("clusters" if module in CLUSTER_MODULES else module))
 
 
 # A stand-in for `dvc repro`: runs a command through `/bin/sh -c`, as DVC does when SHELL is
