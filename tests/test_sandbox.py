@@ -43,15 +43,32 @@ def code_row(tests=ADD_TESTS, **limits):
     }
 
 
+# Under pytest-xdist the other worker may be running sandboxes of its own (the code verifier in
+# a stage or in test_rewards): this process's tokens start with its pid, and only those count.
+OWN_TOKENS = f"ALIGNPIPE_SANDBOX=ALIGNPIPE_SANDBOX_{os.getpid():08x}".encode()
+
+
+@pytest.fixture(autouse=True)
+def own_tokens(monkeypatch) -> None:
+    """Every sandbox token this test makes starts with this process's pid (the rest is random)."""
+    import types
+    import uuid
+
+    from alignpipe.rewards import sandbox
+
+    tagged = types.SimpleNamespace(uuid4=lambda: uuid.UUID(f"{os.getpid():08x}" + uuid.uuid4().hex[8:]))
+    monkeypatch.setattr(sandbox, "uuid", tagged)
+
+
 def sandbox_procs() -> list[int]:
-    """Processes (other than us) that carry a sandbox token in their environment."""
+    """Processes (other than us) that carry a sandbox token this process made."""
     found = []
     for d in os.listdir("/proc"):
         if not d.isdigit() or int(d) == os.getpid():
             continue
         try:
             with open(f"/proc/{d}/environ", "rb") as f:
-                if b"ALIGNPIPE_SANDBOX=ALIGNPIPE_SANDBOX_" in f.read():
+                if OWN_TOKENS in f.read():
                     found.append(int(d))
         except OSError:
             pass
