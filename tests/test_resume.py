@@ -83,11 +83,11 @@ def _source(stage: str, trained_sft: Path, with_rm: Path) -> Path:
     return with_rm if stage == "rlhf" else trained_sft
 
 
-def _copy(src: Path, dst: Path, stage: str) -> tuple[Path, dict[str, str]]:
+def _copy(src: Path, dst: Path, stage: str, extra: dict | None = None) -> tuple[Path, dict[str, str]]:
     root = writable_copy(src, dst / "repo")
     for out in (root / "models" / stage, root / "results" / stage):
         shutil.rmtree(out, ignore_errors=True)
-    set_params(root, {stage: SETTINGS[stage]})
+    set_params(root, {stage: {**SETTINGS[stage], **(extra or {})}})
     return root, {"ALIGNPIPE_SCRATCH": str(dst / "scratch")}  # this run's own: no stale checkpoints
 
 
@@ -157,19 +157,12 @@ def straight_lora_run(trained_sft, tmp_path_factory):
 
     def get(stage: str) -> Path:
         if stage not in runs:
-            runs[stage] = _lora_copy(trained_sft, tmp_path_factory.mktemp(f"straight_lora_{stage}"), stage)
-            run_cli(runs[stage], "run", stage, env={"ALIGNPIPE_SCRATCH": str(runs[stage].parent / "scratch")})
+            root, env = _copy(trained_sft, tmp_path_factory.mktemp(f"straight_lora_{stage}"), stage, LORA)
+            run_cli(root, "run", stage, env=env)
+            runs[stage] = root
         return runs[stage]
 
     return get
-
-
-def _lora_copy(trained_sft: Path, dst: Path, stage: str) -> Path:
-    root = writable_copy(trained_sft, dst / "repo")
-    for out in (root / "models" / stage, root / "results" / stage):
-        shutil.rmtree(out, ignore_errors=True)
-    set_params(root, {stage: {**SETTINGS[stage], **LORA}})
-    return root
 
 
 @pytest.mark.parametrize(("stage", "which"), [("sft", "first"), ("sft", "last"), ("dpo", "first")])
@@ -179,8 +172,7 @@ def test_killed_lora_stage_resumes_to_the_same_adapter(
     """A LoRA stage killed at a checkpoint resumes to the same adapter bytes (and outputs) as an
     uninterrupted run: the checkpoint holds the adapter and its optimizer state, not the base."""
     straight = straight_lora_run(stage)
-    root = _lora_copy(trained_sft, tmp_path, stage)
-    env = {"ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")}
+    root, env = _copy(trained_sft, tmp_path, stage, LORA)
     _kill_at_checkpoint(root, stage, env, which)
     assert "resuming from" in run_cli(root, "run", stage, env=env).stdout
     assert (straight / "models" / stage / "adapter_model.safetensors").is_file()

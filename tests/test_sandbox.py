@@ -45,7 +45,8 @@ def code_row(tests=ADD_TESTS, **limits):
 
 # Under pytest-xdist the other worker may be running sandboxes of its own (the code verifier in
 # a stage or in test_rewards): this process's tokens start with its pid, and only those count.
-OWN_TOKENS = f"ALIGNPIPE_SANDBOX=ALIGNPIPE_SANDBOX_{os.getpid():08x}".encode()
+OWN_PREFIX = f"{os.getpid():08x}"
+OWN_TOKENS = f"ALIGNPIPE_SANDBOX=ALIGNPIPE_SANDBOX_{OWN_PREFIX}".encode()
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +57,7 @@ def own_tokens(monkeypatch) -> None:
 
     from alignpipe.rewards import sandbox
 
-    tagged = types.SimpleNamespace(uuid4=lambda: uuid.UUID(f"{os.getpid():08x}" + uuid.uuid4().hex[8:]))
+    tagged = types.SimpleNamespace(uuid4=lambda: uuid.UUID(OWN_PREFIX + uuid.uuid4().hex[8:]))
     monkeypatch.setattr(sandbox, "uuid", tagged)
 
 
