@@ -2,8 +2,8 @@
 own dataset classes, processors and collators give, row for row, the token ids, the trained
 tokens and the kept/weight-0 rows that the local engine trains on.
 
-Inputs are prepared-format rows (tests/fixtures-like, written here) with a conversation too
-long for the profile's ``max_input_seq_length``; tokenizers are the tiny char tokenizer (a
+Inputs are prepared-format rows (tests/fixtures-like, written here): single-turn, multi-turn
+and system-prompted conversations, and one too long for the profile's ``max_input_seq_length``; tokenizers are the tiny char tokenizer (a
 template that emits BOS itself) and SmolLM2's (a template with a default system turn and no BOS).
 """
 
@@ -25,10 +25,36 @@ SFT_ROWS = [
         {"role": "user", "content": "and 4?"},
         {"role": "assistant", "content": "9"},
     ],
+    [
+        {"role": "system", "content": "Answer with digits only."},
+        {"role": "user", "content": "sort 21"},
+        {"role": "assistant", "content": "12"},
+    ],
 ]
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
 PREFERENCE_ROWS = [
-    {"prompt": "sort 312", "chosen": "123", "rejected": "321"},
-    {"prompt": "reverse ab", "chosen": "ba", "rejected": "ab"},
+    {"prompt": user("sort 312"), "chosen": "123", "rejected": "321"},
+    {"prompt": user("reverse ab"), "chosen": "ba", "rejected": "ab"},
+    # NeMo-RL's reward-model docs' shape: a context of user, assistant, user turns.
+    {
+        "prompt": [
+            {"role": "user", "content": "what's 2+2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "and times 3?"},
+        ],
+        "chosen": "12",
+        "rejected": "6",
+    },
+    {
+        "prompt": [{"role": "system", "content": "Be brief."}, *user("sort 21")],
+        "chosen": "12",
+        "rejected": "21",
+    },
 ]
 
 
@@ -75,7 +101,7 @@ def sft_rows(cfg: dict) -> list[list[dict]]:
 
 def preference_rows(cfg: dict) -> list[dict]:
     limit = int(cfg["data"]["max_input_seq_length"])
-    return [*PREFERENCE_ROWS, {"prompt": "sort 1", "chosen": "1", "rejected": too_long(limit)}]
+    return [*PREFERENCE_ROWS, {"prompt": user("sort 1"), "chosen": "1", "rejected": too_long(limit)}]
 
 
 CASES = [
@@ -136,7 +162,7 @@ def test_preference_tokens_and_masks_equal_nemo_rls(stage, profile, tokenizers, 
         for side in ("chosen", "rejected"):
             assert mine[f"{side}_input_ids"] == up[f"{side}_input_ids"], (i, side)
             assert mine[f"{side}_completion_mask"] == up[f"{side}_token_mask"], (i, side)
-    assert [o["weight"] for o in ours] == [1.0, 1.0, 0.0]
+    assert [o["weight"] for o in ours] == [1.0] * len(PREFERENCE_ROWS) + [0.0]
 
 
 @pytest.mark.parametrize("stage", ["sft", "dpo", "rm"])

@@ -18,24 +18,34 @@ from alignpipe.engines.local.rlvr import verifier_score
 from tests.conftest import REPO
 from tests.test_nemo_rl_render import rendered
 
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
 ADD_TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\n"
 ROWS = [  # (row, completion): the local engine's reward is computed, not written here
-    ({"prompt": "sort 312", "answer": "123", "verifier": "exact"}, "123"),
-    ({"prompt": "sort 312", "answer": "123", "verifier": "exact"}, "321"),
+    ({"prompt": user("sort 312"), "answer": "123", "verifier": "exact"}, "123"),
+    ({"prompt": user("sort 312"), "answer": "123", "verifier": "exact"}, "321"),
     # the whole completion is not the answer; its last box is
-    ({"prompt": "sort 312", "answer": "123", "verifier": "exact", "extract": "boxed"}, "so \\boxed{9} no \\boxed{123}"),
-    ({"prompt": "sort 312", "answer": "123", "verifier": "exact", "extract": "boxed"}, "123"),
-    ({"prompt": "add 2 3", "answer": "5", "verifier": "numeric"}, " 5.0 "),
-    ({"prompt": "add 2 3", "answer": "5", "verifier": "numeric", "abs_tol": 0.5}, "5.3"),
-    ({"prompt": "add 2 3", "answer": "5", "verifier": "numeric", "extract": "boxed"}, "it is \\boxed{5}"),
-    ({"prompt": "half of 1", "answer": "\\frac{1}{2}", "verifier": "math"}, "The answer is $\\boxed{0.5}$"),
-    ({"prompt": "half of 1", "answer": "\\frac{1}{2}", "verifier": "math"}, "The answer is $\\boxed{2}$"),
-    ({"prompt": "write add", "answer": "", "verifier": "code", "tests": ADD_TESTS,
+    ({"prompt": user("sort 312"), "answer": "123", "verifier": "exact", "extract": "boxed"}, "so \\boxed{9} no \\boxed{123}"),
+    ({"prompt": user("sort 312"), "answer": "123", "verifier": "exact", "extract": "boxed"}, "123"),
+    ({"prompt": user("add 2 3"), "answer": "5", "verifier": "numeric"}, " 5.0 "),
+    ({"prompt": user("add 2 3"), "answer": "5", "verifier": "numeric", "abs_tol": 0.5}, "5.3"),
+    ({"prompt": user("add 2 3"), "answer": "5", "verifier": "numeric", "extract": "boxed"}, "it is \\boxed{5}"),
+    ({"prompt": user("half of 1"), "answer": "\\frac{1}{2}", "verifier": "math"}, "The answer is $\\boxed{0.5}$"),
+    ({"prompt": user("half of 1"), "answer": "\\frac{1}{2}", "verifier": "math"}, "The answer is $\\boxed{2}$"),
+    ({"prompt": user("write add"), "answer": "", "verifier": "code", "tests": ADD_TESTS,
       "sandbox": {"timeout_s": 30.0, "cpu_s": 2, "memory_mb": 256, "nproc": 16}},
      "def add(a, b):\n    return a + b\n"),
-    ({"prompt": "write add", "answer": "", "verifier": "code", "tests": ADD_TESTS,
+    ({"prompt": user("write add"), "answer": "", "verifier": "code", "tests": ADD_TESTS,
       "sandbox": {"timeout_s": 30.0, "cpu_s": 2, "memory_mb": 256, "nproc": 16}},
      "def add(a, b):\n    return a - b\n"),
+    # a conversation: the prompt's system turn and an earlier exchange travel with it
+    ({"prompt": [{"role": "system", "content": "Digits only."}, *user("sort 312")], "answer": "123",
+      "verifier": "exact"}, "123"),
+    ({"prompt": [*user("sort 21"), {"role": "assistant", "content": "12"}, *user("now sort 312")],
+      "answer": "123", "verifier": "exact"}, "312"),
 ]  # fmt: skip
 
 
@@ -69,14 +79,14 @@ def config_with_data(stage: str, profile: str, rows: list[dict], tmp: Path, toke
     return cfg
 
 
-def trl_prompt_ids(tokenizer_dir: Path, prompts: list[str]) -> list[list[int]]:
+def trl_prompt_ids(tokenizer_dir: Path, prompts: list[list[dict]]) -> list[list[int]]:
     """The prompt ids the local GRPO trainer generates from: TRL's ``_tokenize_prompts`` renders
     the conversational prompt with the generation prompt and tokenises it in one call."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     out = tokenizer.apply_chat_template(
-        [[{"role": "user", "content": p}] for p in prompts],
+        prompts,
         add_generation_prompt=True,
         tokenize=True,
         return_dict=True,
@@ -94,10 +104,9 @@ def local_rewards(profile: str, rows: list[dict], completions: list[str], tmp: P
     shaping = (ctx.config.get("alignpipe") or {}).get("reward_shaping") or {}
     fn = RewardFn(verifier_score(shaping), scaling=(ctx.config.get("grpo") or {}).get("reward_scaling"))
     columns = {c: [r.get(c) for r in rows] for c in RewardFn.columns}
-    prompts = [[{"role": "user", "content": r["prompt"]}] for r in rows]
-    return fn(
-        prompts, [[{"role": "assistant", "content": c}] for c in completions], [[0]] * len(rows), **columns
-    )
+    prompts = [r["prompt"] for r in rows]  # no stage system turn on these profiles: TRL's prompt is the row's
+    completions = [[{"role": "assistant", "content": c}] for c in completions]
+    return fn(prompts, completions, [[0]] * len(rows), conversation=prompts, **columns)
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +169,13 @@ def test_local_only_reward_shaping_is_refused_on_the_nemo_rl_engine() -> None:
     assert local_rewards("tiny", [ROWS[0][0]], ["123"], REPO) == [1.0]
 
 
-RM_ROWS = [{"prompt": "sort 312", "answer": "123"}, {"prompt": "add 2 3", "answer": "5"}]
-RM_COMPLETIONS = ["The answer is \\boxed{123}.", "5"]
+RM_ROWS = [
+    {"prompt": user("sort 312"), "answer": "123"},
+    {"prompt": user("add 2 3"), "answer": "5"},
+    {"prompt": [{"role": "system", "content": "Be brief."}, *user("add 1 1")], "answer": "2"},
+    {"prompt": [*user("add 1 1"), {"role": "assistant", "content": "2"}, *user("plus 3?")], "answer": "5"},
+]
+RM_COMPLETIONS = ["The answer is \\boxed{123}.", "5", "2", "5"]
 
 
 @pytest.fixture(scope="module")
@@ -196,13 +210,20 @@ def test_rlhf_reward_model_scores_what_rm_trained_on(profile, rm_upstream, token
     assert [p["chosen_input_ids"] for p in trained] == theirs
     text = tokenizer.decode(theirs[0])
     assert text.count("sort 312") == 1 and "\\boxed{123}" in text  # templated once
+    # a conversation's system turn and earlier exchange are scored too, each once
+    assert tokenizer.decode(theirs[2]).count("Be brief.") == 1
+    assert [tokenizer.decode(theirs[3]).count(t) for t in ("add 1 1", "plus 3?")] == [1, 1]
 
 
 # The same prompt twice in one step: NeMo-RL's estimator makes it one group of 2G.
 ROLLOUT_ROWS = [
-    {"prompt": "sort 312", "answer": "123", "verifier": "exact", "extract": "boxed"},
-    {"prompt": "add 2 3", "answer": "5", "verifier": "numeric"},
-    {"prompt": "sort 312", "answer": "123", "verifier": "exact", "extract": "boxed"},
+    {"prompt": user("sort 312"), "answer": "123", "verifier": "exact", "extract": "boxed"},
+    {
+        "prompt": [{"role": "system", "content": "Digits only."}, *user("add 2 3")],
+        "answer": "5",
+        "verifier": "numeric",
+    },
+    {"prompt": user("sort 312"), "answer": "123", "verifier": "exact", "extract": "boxed"},
 ]
 ANSWERS = {  # completions the scripted policy cycles through, right and wrong
     "sort 312": ["so \\boxed{123}", "\\boxed{321}", "123", "\\boxed{1} then \\boxed{123}"],
@@ -214,7 +235,11 @@ ROLLOUT_PROFILES = ("tiny", "small")
 
 
 def scripted_completions(group: int) -> list[str]:
-    return [ANSWERS[r["prompt"]][(i + k) % 4] for k, r in enumerate(ROLLOUT_ROWS) for i in range(group)]
+    return [
+        ANSWERS[r["prompt"][-1]["content"]][(i + k) % 4]
+        for k, r in enumerate(ROLLOUT_ROWS)
+        for i in range(group)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -258,10 +283,7 @@ def test_one_grpo_rollout_through_nemo_rls_loop_gives_the_local_rewards_and_adva
     assert 0.0 < sum(ours) < len(ours)  # right and wrong answers in the step
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizers[profile], local_files_only=True)
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True)
-        for r in rows
-    ]
+    prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True) for r in rows]
     prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]
     width = max(len(p) for p in prompts)
     left = torch.tensor([[-1] * (width - len(p)) + list(p) for p in prompts])  # TRL's left padding, masked

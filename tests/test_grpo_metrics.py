@@ -125,9 +125,39 @@ def test_reward_fn_reads_conversational_rollouts_and_keeps_unknowns_as_nan():
     )
     assert out == [1.0, None]
     assert seen["texts"] == ["123", "x"] and seen["num_tokens"] == [3, 1]
-    assert seen["rows"][0] == {"prompt": "sort:321", "answer": "123", "verifier": "exact"}
+    # Without a conversation column, a row's prompt is TRL's conversational prompt.
+    assert seen["rows"][0] == {"prompt": prompts[0], "answer": "123", "verifier": "exact"}
     assert fn.last[0] == 1.0 and math.isnan(fn.last[1])
     assert logged == [("verifier_accuracy", 0.5)]
+
+
+def test_reward_fn_rows_carry_the_rows_own_conversation_without_the_stage_system_turn():
+    seen = {}
+
+    def score(rows, texts, num_tokens, log_metric):
+        seen["rows"] = rows
+        return [1.0] * len(rows)
+
+    own = [
+        {"role": "user", "content": "sort:321"},
+        {"role": "assistant", "content": "123"},
+        {"role": "user", "content": "and reverse it?"},
+    ]
+    prepared = [
+        {"prompt": own, "answer": "321", "verifier": "exact"},
+        {
+            "prompt": [{"role": "system", "content": "mine"}, {"role": "user", "content": "add:2+2"}],
+            "answer": "4",
+        },
+    ]
+    dataset = grpo.conversational(prepared, system="Answer with digits only.")
+    assert dataset[0]["prompt"][0] == {"role": "system", "content": "Answer with digits only."}
+    columns = {k: [r[k] for r in dataset] for k in dataset[0]}
+    prompts = columns.pop("prompt")
+    grpo.RewardFn(score)(prompts, ["321", "4"], [[1], [2]], **columns)
+    # The reward rows are the prepared rows: each its own conversation (its own system turn
+    # kept, the stage's left out), not the last user turn's text.
+    assert seen["rows"] == prepared
 
 
 def test_reward_scaling_clamps_then_maps_linearly():
@@ -140,8 +170,8 @@ def test_rlvr_reward_is_the_verifier_then_shaping():
     from alignpipe.engines.local.rlvr import verifier_score
 
     rows = [
-        {"prompt": "add:2+2", "answer": "4", "verifier": "numeric"},
-        {"prompt": "sort:21", "answer": "12"},
+        {"prompt": [{"role": "user", "content": "add:2+2"}], "answer": "4", "verifier": "numeric"},
+        {"prompt": [{"role": "user", "content": "sort:21"}], "answer": "12"},
     ]
     logged = {}
     score = verifier_score({"format_penalty": 0.5, "clip": [-0.25, None]})
@@ -153,13 +183,18 @@ def test_rlvr_reward_is_the_verifier_then_shaping():
 
 
 def test_rm_reward_is_clipped_and_logs_raw_score_and_verifier_accuracy():
+    asked = []
+
     def scorer(prompts, completions):
+        asked.extend(prompts)
         return [5.0, -3.0]
 
     logged = {}
     score = rlhf.rm_score_fn(scorer, [-1.0, 2.0])
-    rows = [{"prompt": "sort:21", "answer": "12", "verifier": "exact"}] * 2
+    conversation = [{"role": "system", "content": "mine"}, {"role": "user", "content": "sort:21"}]
+    rows = [{"prompt": conversation, "answer": "12", "verifier": "exact"}] * 2
     assert score(rows, ["12", "21"], [2, 2], lambda k, v: logged.__setitem__(k, v)) == [2.0, -1.0]
+    assert asked == [conversation] * 2  # the reward model reads the whole conversation
     assert logged == {"rm_score": 1.0, "verifier_accuracy": 0.5}
     assert rlhf.clip(3.0, None) == 3.0 and rlhf.clip(3.0, [None, 1.0]) == 1.0
 

@@ -10,11 +10,18 @@ import pytest
 
 from alignpipe.artifacts import dvc_hash, md5_file
 from alignpipe.data.prepare import prepare
-from alignpipe.data.schema import SPLITS, row_id
+from alignpipe.data.schema import SPLITS, row_id, single_turn
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = "tests/fixtures/prep"
 SPLIT = {"seed": 5, "validation_fraction": 0.0, "test_fraction": 0.0}  # everything in train
+
+
+def asked(row: dict) -> str:
+    """The text of a prepared row's prompt that is exactly one user turn (fails otherwise)."""
+    text = single_turn(row["prompt"])
+    assert text is not None, row["prompt"]
+    return text
 
 
 def run(tmp_path: Path, *sources: dict, split=SPLIT, root: Path = REPO) -> tuple[dict, dict]:
@@ -40,7 +47,7 @@ def test_jsonl_binary_preference_custom_keys_and_dedupe(tmp_path):
         "rejected_key": "bad",
     }
     rows, m = run(tmp_path, src)
-    pref = {r["prompt"]: r for r in rows["preference"]}
+    pref = {asked(r): r for r in rows["preference"]}
     assert set(pref) == {"What is 2+2?", "Capital of France?", "Spell cat backwards"}
     assert pref["What is 2+2?"]["chosen"] == "4" and pref["What is 2+2?"]["rejected"] == "5"
     assert pref["Spell cat backwards"]["task"] == "spelling"  # the row's own task
@@ -60,7 +67,7 @@ def test_preference_dataset_lower_rank_is_chosen(tmp_path):
         tmp_path,
         {"kind": "jsonl", "path": f"{FIX}/ranked.jsonl", "format": "preference", "family": "preference"},
     )
-    pref = {r["prompt"]: r for r in rows["preference"]}
+    pref = {asked(r): r for r in rows["preference"]}
     assert pref["Say hi"]["chosen"] == "hello!" and pref["Say hi"]["rejected"] == "go away"
     assert pref["Count to 3"]["chosen"] == "1 2 3" and pref["Count to 3"]["rejected"] == "1 3 2"
 
@@ -75,7 +82,7 @@ def test_response_dataset_rlvr_with_verifiers(tmp_path):
         "output_key": "expected",
     }
     rows, _ = run(tmp_path, src)
-    by = {r["prompt"]: r for r in rows["rlvr"]}
+    by = {asked(r): r for r in rows["rlvr"]}
     assert by["add:2+3"] == {**by["add:2+3"], "answer": "5", "verifier": "numeric"}
     assert "tests" not in by["add:2+3"]
     assert by["Write f(x) returning x+1"]["tests"] == ["assert f(1) == 2"]
@@ -91,7 +98,7 @@ def test_json_array_openai_messages_to_sft_and_rlhf(tmp_path):
     assert len(rows["sft"]) == 3
     colour = next(r for r in rows["sft"] if r["messages"][-1]["content"] == "red")
     assert [m["role"] for m in colour["messages"]] == ["system", "user", "assistant"]
-    # rlhf needs a single user turn as prompt: the system-prompted row is rejected when skipping.
+    # rlhf keeps each conversation before the reply as its prompt, the system turn included.
     rows, m = run(
         tmp_path / "rlhf",
         {
@@ -103,9 +110,13 @@ def test_json_array_openai_messages_to_sft_and_rlhf(tmp_path):
             "on_invalid": "skip",
         },
     )
-    assert sorted(r["prompt"] for r in rows["rlhf"]) == ["bye", "hi"]
-    assert m["rows_rejected"]["total"] == 1 and m["rows_rejected"]["by_family"]["rlhf"] == 1
-    assert f"{FIX}/chats.json:5: field 'messages'" in m["rows_rejected"]["examples"][0]
+    by_answer = {r["answer"]: r["prompt"] for r in rows["rlhf"]}
+    assert by_answer == {
+        "hello": [{"role": "user", "content": "hi"}],
+        "red": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name a colour"}],
+        "see you": [{"role": "user", "content": "bye"}],
+    }
+    assert m["rows_rejected"]["total"] == 0
 
 
 def test_parquet_with_column_mapping(tmp_path):
@@ -127,7 +138,7 @@ def test_parquet_with_column_mapping(tmp_path):
             "rejected_key": "worse",
         },
     )
-    assert sorted((r["prompt"], r["chosen"], r["rejected"]) for r in rows["preference"]) == [
+    assert sorted((asked(r), r["chosen"], r["rejected"]) for r in rows["preference"]) == [
         ("p1", "a", "x"),
         ("p2", "b", "y"),
         ("p3", "c", "z"),
@@ -158,7 +169,7 @@ def test_hf_save_to_disk_dir_and_local_json_dir(tmp_path):
             "task": "add",
         },
     )
-    assert sorted((r["prompt"], r["answer"], r["task"]) for r in rows["rlvr"]) == [
+    assert sorted((asked(r), r["answer"], r["task"]) for r in rows["rlvr"]) == [
         ("add:1+1", "2", "add"),
         ("add:2+2", "4", "add"),
     ]
@@ -187,7 +198,7 @@ def test_sources_combine_and_share_the_split(tmp_path):
     }
     rows, _ = run(tmp_path, {**src, "family": "rlvr"}, {**src, "family": "sft"}, split=split)
     out = tmp_path / "out"
-    for fam, key in (("rlvr", lambda r: r["prompt"]), ("sft", lambda r: r["messages"][0]["content"])):
+    for fam, key in (("rlvr", asked), ("sft", lambda r: r["messages"][0]["content"])):
         for s in SPLITS:
             for line in (out / fam / f"{s}.jsonl").read_text().splitlines():
                 r = json.loads(line)

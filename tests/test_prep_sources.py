@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from alignpipe.data.prepare import check_heldout_leaks, prepare
-from alignpipe.data.schema import SPLITS
+from alignpipe.data.schema import SPLITS, canonical_json, row_id, single_turn
 from alignpipe.data.split import SplitSpec, normalize_prompt
 from alignpipe.errors import DataError
 from tests.test_prep_cli import cli
@@ -38,6 +38,13 @@ def flat(rows: dict, fam: str) -> list[dict]:
     return [r for s in SPLITS for r in rows[fam][s]]
 
 
+def asked(row: dict) -> str:
+    """The text of a prepared row's prompt that is exactly one user turn (fails otherwise)."""
+    text = single_turn(row["prompt"])
+    assert text is not None, row["prompt"]
+    return text
+
+
 def fix(name: str, fmt: str, family: str, **kw) -> dict:
     return {"kind": "jsonl", "path": f"{FIXREL}/{name}", "format": fmt, "family": family, **kw}
 
@@ -54,7 +61,7 @@ def test_sft_with_system_turn_splits_like_rlvr_with_the_same_prompts(tmp_path):
         split=split,
     )
     user = {s: {r["messages"][1]["content"] for r in rows["sft"][s]} for s in SPLITS}
-    prompts = {s: {r["prompt"] for r in rows["rlvr"][s]} for s in SPLITS}
+    prompts = {s: {asked(r) for r in rows["rlvr"][s]} for s in SPLITS}
     assert all(r["messages"][0]["role"] == "system" for r in flat(rows, "sft"))
     assert len(prompts["test"]) >= 5 and len(prompts["validation"]) >= 5
     assert user == prompts  # every prompt in the same split in both families
@@ -62,11 +69,13 @@ def test_sft_with_system_turn_splits_like_rlvr_with_the_same_prompts(tmp_path):
 
 
 def test_heldout_leak_check_names_both_rows_and_the_prompt():
-    row = {"id": "x", "task": "t", "prompt": "What is 2+2?", "answer": "4", "verifier": "numeric"}
+    # The rlvr row's own system turn does not hide the user turn it shares with the sft row.
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    row = {"id": "x", "task": "t", "prompt": prompt, "answer": "4", "verifier": "numeric"}
     sft = {"id": "y", "task": "t", "messages": [{"role": "user", "content": "what is  2+2? "}]}
     splits = {
-        "rlvr": {"train": [], "validation": [], "test": [(row, "data/q.jsonl:7")]},
-        "sft": {"train": [(sft, "data/chats.jsonl:3")], "validation": [], "test": []},
+        "rlvr": {"train": [], "validation": [], "test": [(row, "data/q.jsonl:7", 0)]},
+        "sft": {"train": [(sft, "data/chats.jsonl:3", 1)], "validation": [], "test": []},
     }
     with pytest.raises(DataError) as info:
         check_heldout_leaks(splits)
@@ -85,7 +94,7 @@ def test_gsm8k_answer_format_keeps_the_final_answer(tmp_path):
         "gsm8k.jsonl", "response", "rlvr", input_key="question", output_key="answer", answer_format="gsm8k"
     )
     rows, m = run(tmp_path, {**src, "verifier": "math"})
-    golds = {r["prompt"][:12]: r["answer"] for r in flat(rows, "rlvr")}
+    golds = {asked(r)[:12]: r["answer"] for r in flat(rows, "rlvr")}
     assert golds == {"Natalia sold": "72", "Weng earns $": "10", "Betty needs ": "5"}
     assert m["sources"][0]["rows_kept"] == 3
     rows, _ = run(tmp_path / "sft", {**src, "family": "sft"})
@@ -148,7 +157,7 @@ def test_gsm8k_matches_nemo_rl_extraction(nemo_rl_src, tmp_path):
     )
     src = fix("gsm8k.jsonl", "response", "rlvr", input_key="question", output_key="answer")
     rows, _ = run(tmp_path, {**src, "answer_format": "gsm8k", "verifier": "numeric"})
-    ours = {r["prompt"]: r["answer"] for r in flat(rows, "rlvr")}
+    ours = {asked(r): r["answer"] for r in flat(rows, "rlvr")}
     for line in (REPO / src["path"]).read_text().splitlines():
         rec = json.loads(line)
         assert ours[rec["question"]] == extract(rec["answer"])
@@ -160,7 +169,7 @@ def test_gsm8k_matches_nemo_rl_extraction(nemo_rl_src, tmp_path):
 def test_directory_of_shards_is_one_source_in_sorted_order(tmp_path):
     src = fix("shards", "binary_preference", "preference")
     rows, m = run(tmp_path, src)
-    assert sorted(r["prompt"] for r in flat(rows, "preference")) == ["p1", "p2", "p3", "p4"]
+    assert sorted(asked(r) for r in flat(rows, "preference")) == ["p1", "p2", "p3", "p4"]
     entry = m["sources"][0]
     assert entry["shards"] == ["part-00000.jsonl", "part-00001.jsonl"] and entry["md5"].endswith(".dir")
     assert entry["rows_read"] == 4 and entry["path"] == src["path"]
@@ -205,7 +214,7 @@ def test_shard_directory_errors(tmp_path):
 
 def test_ultrafeedback_rows(tmp_path):
     rows, _ = run(tmp_path, fix("ultrafeedback.jsonl", "ultrafeedback", "preference"))
-    got = sorted((r["prompt"], r["chosen"], r["rejected"]) for r in flat(rows, "preference"))
+    got = sorted((asked(r), r["chosen"], r["rejected"]) for r in flat(rows, "preference"))
     assert got == [("Name a primary colour.", "Red.", "Green."), ("What is 2+2?", "4", "5")]
     with pytest.raises(DataError) as info:
         run(tmp_path / "bad", fix("ultrafeedback_mismatch.jsonl", "ultrafeedback", "preference"))
@@ -217,7 +226,7 @@ def test_ultrafeedback_rows(tmp_path):
 
 def test_helpsteer3_preference_sign_and_ties(tmp_path):
     rows, m = run(tmp_path, fix("helpsteer3.jsonl", "helpsteer3", "preference"))
-    pref = {r["prompt"]: (r["chosen"], r["rejected"]) for r in flat(rows, "preference")}
+    pref = {asked(r): (r["chosen"], r["rejected"]) for r in flat(rows, "preference")}
     assert pref == {
         "Suggest a name for a cat.": ("Whiskers.", "Dog."),  # -2: response1 preferred
         "Reverse 'abc' in Python.": ("'abc'[::-1]", "'abc'[0]"),  # 3: response2
@@ -240,15 +249,40 @@ def test_preference_shapes_match_nemo_rl_dataset_classes(nemo_rl_src, tmp_path):
     ):
         upstream = _upstream_function(nemo_rl_src, rel, "format_data", logging=logging, json=json, Any=object)
         rows, _ = run(tmp_path / fmt, fix(name, fmt, "preference"))
-        ours = {r["prompt"]: (r["chosen"], r["rejected"]) for r in flat(rows, "preference")}
+        # Keyed by the whole conversation: our prompt is upstream's context, message for message.
+        ours = {canonical_json(r["prompt"]): (r["chosen"], r["rejected"]) for r in flat(rows, "preference")}
         for line in (FIX / name).read_text().splitlines():
             up = upstream(SimpleNamespace(task_name=fmt), json.loads(line))
             chosen, rejected = (c["completion"][0]["content"] for c in up["completions"])
-            prompt = up["context"][-1]["content"]
+            prompt = canonical_json(up["context"])
             if chosen == rejected:  # upstream keeps a tie as chosen == rejected; we drop it
                 assert prompt not in ours
             else:
                 assert ours[prompt] == (chosen, rejected)
+
+
+def test_nemo_rl_reward_model_example_keeps_its_conversation(tmp_path):
+    """NeMo-RL's RM data shape (a user, assistant, user context and two ranked completions;
+    one with a system turn) prepares into the preference family with the context intact, and
+    its id differs from the same last question asked alone."""
+    rows, manifest = run(tmp_path, fix("nemo_rl_rm_example.jsonl", "preference", "preference"))
+    records = [json.loads(x) for x in (FIX / "nemo_rl_rm_example.jsonl").read_text().splitlines()]
+    ours = {canonical_json(r["prompt"]): r for r in flat(rows, "preference")}
+    assert len(ours) == 2 and manifest["sources"][0]["rows_kept"] == 2
+    for rec in records:
+        row = ours[canonical_json(rec["context"])]  # the whole context, message for message
+        (chosen,), (rejected,) = (
+            c["completion"] for c in sorted(rec["completions"], key=lambda c: c["rank"])
+        )
+        assert (row["chosen"], row["rejected"]) == (chosen["content"], rejected["content"])
+    multi = ours[canonical_json(records[0]["context"])]
+    assert [m["role"] for m in multi["prompt"]] == ["user", "assistant", "user"]
+    alone = {**multi, "prompt": [multi["prompt"][-1]]}
+    assert multi["id"] != row_id("preference", alone)
+    # a one-user-turn prompt keeps the id it had as a string
+    assert row_id("preference", alone) == row_id(
+        "preference", {**alone, "prompt": multi["prompt"][-1]["content"]}
+    )
 
 
 # --------------------------------------------------------------------------- the CLI
@@ -301,6 +335,6 @@ def test_split_key_is_the_normalised_user_turns():
         "messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": " Hi  there "}]
     }
     assert normalize_prompt(prompt_of("sft", row)) == normalize_prompt(
-        prompt_of("rlvr", {"prompt": "hi there"})
+        prompt_of("rlvr", {"prompt": [{"role": "user", "content": "hi there"}]})
     )
     assert spec.assign(prompt_of("sft", row)) == spec.assign("hi there")

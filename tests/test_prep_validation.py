@@ -67,11 +67,18 @@ CASES = [
     ),
     (src("rlvr_code_no_tests.jsonl", fmt="response", family="rlvr"), 2, "tests", "needs tests"),
     (src("math_rlvr.jsonl", fmt="response", family="rlhf"), 1, "input", "is missing"),
+    # A prompt is the conversation before the reply: a system turn only first, a user turn last.
     (
-        src("chats.json", kind="json", fmt="messages", family="rlvr", verifier="exact"),
-        5,
-        "messages",
-        "single user turn",
+        src("chats_late_system.jsonl", fmt="messages", family="rlvr", verifier="exact"),
+        2,
+        "messages[1].role",
+        "a system turn can only be the first message",
+    ),
+    (
+        src("pairs_context_ends_with_reply.jsonl"),
+        2,
+        "prompt[1].role",
+        "the prompt must end with a user turn, found 'assistant'",
     ),
     (
         src(

@@ -7,6 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from alignpipe.artifacts import MANIFEST
+from alignpipe.data.schema import Message, as_conversation
+
+# A prompt: a prepared row's conversation (messages ending with a user turn) or one user turn's text.
+Prompt = str | list[Message]
 
 
 def with_system(messages: list[dict[str, str]], system: str | None) -> list[dict[str, str]]:
@@ -17,9 +21,10 @@ def with_system(messages: list[dict[str, str]], system: str | None) -> list[dict
     return [{"role": "system", "content": system}, *messages]
 
 
-def prompt_messages(prompt: str, system: str | None = None) -> list[dict[str, str]]:
-    """A single-turn prompt as chat messages, after the system turn when there is one."""
-    return with_system([{"role": "user", "content": prompt}], system)
+def prompt_messages(prompt: Prompt, system: str | None = None) -> list[dict[str, str]]:
+    """A prompt (a prepared row's conversation, or a string: one user turn) as chat messages,
+    after the stage's system turn unless the conversation has its own."""
+    return with_system(as_conversation(prompt), system)
 
 
 def model_system_prompt(model_dir: Path | str) -> str | None:
@@ -34,7 +39,7 @@ def model_system_prompt(model_dir: Path | str) -> str | None:
 def generate(
     model,
     tokenizer,
-    prompts: list[str],
+    prompts: list[Prompt],
     *,
     max_new_tokens: int,
     temperature: float,
@@ -77,7 +82,7 @@ def generate(
     return outputs
 
 
-def chat_token_ids(tokenizer, prompts: list[str], system: str | None = None) -> list[list[int]]:
+def chat_token_ids(tokenizer, prompts: list[Prompt], system: str | None = None) -> list[list[int]]:
     """The prompts as ``generate`` feeds them: chat template with the generation prompt, and no
     special tokens added on top (the template has its own)."""
     texts = [
@@ -99,7 +104,7 @@ VLLM_ENGINE_KEYS = (
 
 def generate_vllm(
     model_dir: Path | str,
-    prompts: list[str],
+    prompts: list[Prompt],
     *,
     max_new_tokens: int,
     temperature: float,

@@ -22,7 +22,7 @@ from alignpipe.config import get_path
 from alignpipe.context import StageContext, scratch_root
 from alignpipe.errors import ConfigError
 from alignpipe.jsonl import read_jsonl
-from alignpipe.measure.generation import generate, generate_vllm, model_system_prompt
+from alignpipe.measure.generation import Prompt, generate, generate_vllm, model_system_prompt
 
 
 def heldout_settings(ctx: StageContext) -> dict[str, Any]:
@@ -81,7 +81,7 @@ class HeldoutSamples:
     system: str | None = None
 
     @property
-    def prompts(self) -> list[str]:
+    def prompts(self) -> list[Prompt]:
         return [r["prompt"] for r in self.rows]
 
 

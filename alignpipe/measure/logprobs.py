@@ -15,7 +15,7 @@ from pathlib import Path
 from alignpipe.adapters import adapter_chain, is_adapter, merge_chain
 from alignpipe.config import repo_root
 from alignpipe.errors import ConfigError
-from alignpipe.measure.generation import prompt_messages
+from alignpipe.measure.generation import Prompt, prompt_messages
 
 # The local engine trains and measures in float32: transformers 5 loads a checkpoint in the
 # dtype it was stored in, and bf16 weights on a CPU are slow and drop small AdamW updates.
@@ -77,7 +77,7 @@ def kl_to_reference(
     policy,
     reference,
     tokenizer,
-    prompts: list[str],
+    prompts: list[Prompt],
     completions: list[str],
     max_new_tokens: int,
     system: str | None = None,

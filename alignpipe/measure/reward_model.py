@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from alignpipe.measure.chat_tokens import turn_token_ids
-from alignpipe.measure.generation import model_system_prompt, prompt_messages
+from alignpipe.measure.generation import Prompt, model_system_prompt, prompt_messages
 from alignpipe.measure.logprobs import LOCAL_DTYPE
 
 
 def conversation_token_ids(
-    tokenizer, prompts: list[str], completions: list[str], system: str | None = None
+    tokenizer, prompts: list[Prompt], completions: list[str], system: str | None = None
 ) -> list[list[int]]:
     """(prompt, completion) as the rm stage trains on it and NeMo-RL's reward-model environment
     scores it: system (if any), user and assistant turns, BOS and EOS as NeMo-RL adds them."""
@@ -51,7 +51,7 @@ class RewardModelScorer:
         )
         return cls(model, tokenizer, model_system_prompt(path), batch_size)
 
-    def __call__(self, prompts: list[str], completions: list[str]) -> list[float]:
+    def __call__(self, prompts: list[Prompt], completions: list[str]) -> list[float]:
         import torch
 
         sequences = conversation_token_ids(self.tokenizer, prompts, completions, self.system)

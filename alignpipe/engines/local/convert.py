@@ -45,9 +45,11 @@ from alignpipe.artifacts import (
 )
 from alignpipe.config import get_path
 from alignpipe.context import ImageNeed, StageContext
+from alignpipe.data.schema import transcript
 from alignpipe.engines.local import training
 from alignpipe.engines.local.publish import write_hf_manifest
 from alignpipe.errors import AlignpipeError, ConfigError
+from alignpipe.measure.generation import Prompt
 from alignpipe.measure.heldout import MEASURES_FILE, SAMPLES_FILE
 from alignpipe.measure.logprobs import LOCAL_DTYPE
 
@@ -163,7 +165,7 @@ def cast(model, dtype: str | None):
 def verify_export(
     export_dir: Path,
     source_model,
-    prompts: list[str],
+    prompts: list[Prompt],
     settings: dict[str, Any],
     cast_to: str | None,
     system: str | None = None,
@@ -208,7 +210,9 @@ def verify_export(
         "top1_agreement": top1,
         "greedy_matches_source": sum(a == b for a, b in zip(texts, source_texts, strict=True))
         / max(1, len(texts)),
-        "samples": [{"prompt": p, "completion": t} for p, t in list(zip(prompts, texts, strict=True))[:3]],
+        "samples": [
+            {"prompt": transcript(p), "completion": t} for p, t in list(zip(prompts, texts, strict=True))[:3]
+        ],
     }
     if mask.any() and not bool(torch.isfinite(got[mask]).all()):
         raise ExportVerificationError(f"{export_dir}: the export produces non-finite logits")

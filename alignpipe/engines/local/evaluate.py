@@ -40,6 +40,7 @@ from alignpipe.artifacts import (
 )
 from alignpipe.config import get_path
 from alignpipe.context import ImageNeed, StageContext
+from alignpipe.data.schema import transcript
 from alignpipe.engines.local import training
 from alignpipe.engines.local.convert import make_shareable
 from alignpipe.engines.local.publish import write_record
@@ -167,7 +168,7 @@ def measure_policy(
             "policy": name,
             "id": row.get("id"),
             "task": row.get("task"),
-            "prompt": row["prompt"],
+            "prompt": transcript(row["prompt"]),
             "completion": completion,
             "correct": verdicts[i],
             "rm_score": scores[i] if scores else None,

@@ -25,6 +25,7 @@ from typing import Any
 from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
+from alignpipe.data.schema import as_conversation
 from alignpipe.engines.local import live_log, lora, training
 from alignpipe.errors import ConfigError, NoLearningSignal, UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
@@ -151,8 +152,11 @@ class RewardFn:
     def __call__(self, prompts, completions, completion_ids, **kwargs) -> list[float | None]:
         texts = [completion_text(c) for c in completions]
         rows = []
-        for i, prompt in enumerate(prompts):
-            row = {"prompt": prompt_text(prompt)}
+        conversations = kwargs.get("conversation") or prompts
+        for i in range(len(prompts)):
+            # The row's own conversation (without the stage's system turn): what the reward
+            # model, which adds its own, and the judge read.
+            row = {"prompt": conversations[i]}
             for col in self.columns:
                 values = kwargs.get(col)
                 if values is not None and values[i] is not None:
@@ -234,14 +238,6 @@ def completion_text(completion: Any) -> str:
     if isinstance(completion, list):
         return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
     return str(completion)
-
-
-def prompt_text(prompt: Any) -> str:
-    """The user turn of a conversational prompt (what the verifier and the judge see)."""
-    if isinstance(prompt, list):
-        users = [m.get("content", "") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
-        return str(users[-1]) if users else ""
-    return str(prompt)
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -411,9 +407,16 @@ def grpo_args(ctx: StageContext, output_dir: Path) -> dict[str, Any]:
 
 def conversational(rows: list[dict[str, Any]], system: str | None = None) -> list[dict[str, Any]]:
     """Prepared rows -> TRL conversational prompts (after the stage's system turn, if any), with
-    the columns rewards need kept."""
+    the row's own conversation and the columns rewards need kept."""
     keep = [c for c in RewardFn.columns if any(c in r for r in rows)]
-    return [{"prompt": prompt_messages(r["prompt"], system), **{c: r.get(c) for c in keep}} for r in rows]
+    return [
+        {
+            "prompt": prompt_messages(r["prompt"], system),
+            "conversation": as_conversation(r["prompt"]),
+            **{c: r.get(c) for c in keep},
+        }
+        for r in rows
+    ]
 
 
 # ----------------------------------------------------------------------------- run

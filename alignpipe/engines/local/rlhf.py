@@ -26,6 +26,7 @@ from typing import Any
 
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
+from alignpipe.data.schema import transcript
 from alignpipe.engines.local import grpo
 from alignpipe.engines.local.judge import JudgeConfig, judge_rewards, load_judge
 from alignpipe.errors import ConfigError, UnsupportedSetting
@@ -86,7 +87,8 @@ def rm_score_fn(scorer: RewardModelScorer, bounds: Any) -> Callable[..., list[fl
 
 def judge_score_fn(judge_cfg: JudgeConfig, generate, group_size: int) -> Callable[..., list[float | None]]:
     def score(rows: list[dict], texts: list[str], num_tokens: list[int], log_metric) -> list[float | None]:
-        rewards, fail = judge_rewards(judge_cfg, generate, [r["prompt"] for r in rows], texts, group_size)
+        prompts = [transcript(r["prompt"]) for r in rows]
+        rewards, fail = judge_rewards(judge_cfg, generate, prompts, texts, group_size)
         log_metric("judge_parse_fail_fraction", fail)
         return rewards
 

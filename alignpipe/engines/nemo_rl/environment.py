@@ -2,12 +2,13 @@
 
 Three pieces, each plugged in where NeMo-RL looks for it:
 
-* ``VerifiedResponseDataset`` (``data.default.dataset_name`` as a dotted path): NeMo-RL's
-  ``ResponseDataset`` (``input_key: prompt``, ``output_key: answer``) that also keeps each
-  row's verifier fields (``ROW_FIELDS``), which ResponseDataset's ``format_data`` would drop.
+* ``VerifiedResponseDataset`` (``data.default.dataset_name`` as a dotted path, rlvr and rlhf):
+  NeMo-RL's ``ResponseDataset`` (``input_key: prompt``, ``output_key: answer``) that reads the
+  prompt as the conversation it is (ResponseDataset makes its input one user turn) and keeps
+  each row's verifier fields (``ROW_FIELDS``), which ResponseDataset's ``format_data`` drops.
 * ``verifier_data_processor`` (registered as ``alignpipe_verifier_processor``): NeMo-RL's
-  ``math_hf_data_processor`` (chat template, ``extra_env_info.ground_truth``) plus the row's
-  verifier fields in ``extra_env_info``.
+  ``math_hf_data_processor`` (chat template, ``extra_env_info.ground_truth``), for a prompt
+  conversation too (``prompt_data_processor``), plus the row's verifier fields in ``extra_env_info``.
 * ``reward_model_data_processor`` (registered as ``alignpipe_rm_processor``, rlhf): the prompt
   as raw turns, so NeMo-RL's reward-model environment templates it once, as rm trained on it.
 * ``VerifierEnvironment`` (``data.default.env_name: alignpipe_verifier``): a Ray actor whose
@@ -29,6 +30,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from alignpipe.data.schema import as_conversation
 from alignpipe.rewards.verifiers import ROW_FIELDS
 
 ENV_NAME = "alignpipe_verifier"
@@ -94,10 +96,11 @@ def score_batch(
 
 
 def format_row(data: dict[str, Any], input_key: str, output_key: str, task_name: str) -> dict[str, Any]:
-    """ResponseDataset's row format plus the fields the verifier needs (Arrow-safe types)."""
+    """ResponseDataset's row format (the prompt's turns, then the answer as the assistant turn)
+    plus the fields the verifier needs (Arrow-safe types)."""
     row = {
         "messages": [
-            {"role": "user", "content": data[input_key]},
+            *({"role": m["role"], "content": m["content"]} for m in as_conversation(data[input_key])),
             {"role": "assistant", "content": str(data[output_key])},
         ],
         "task_name": task_name,
@@ -116,17 +119,64 @@ def format_row(data: dict[str, Any], input_key: str, output_key: str, task_name:
 
 
 class VerifiedResponseDataset(ResponseDataset):  # type: ignore[misc,valid-type]
-    """ResponseDataset that keeps the row's ``ROW_FIELDS`` next to the messages."""
+    """ResponseDataset whose messages are the prompt's turns and the answer, with the row's
+    ``ROW_FIELDS`` next to them."""
 
     def format_data(self, data: dict[str, Any]) -> dict[str, Any]:
         return format_row(data, self.input_key, self.output_key, self.task_name)
 
 
-def verifier_data_processor(datum_dict, task_data_spec, tokenizer, max_seq_length, idx):
-    """``math_hf_data_processor`` plus the row's verifier fields in ``extra_env_info``."""
+def prompt_turns(datum_dict: dict[str, Any], task_data_spec) -> list[dict[str, str]]:
+    """The conversation before the answer (``format_row``'s messages but the last), after the
+    task's system prompt unless it has its own, with the task's prompt template applied to the
+    first user turn (as NeMo-RL's ``get_formatted_message_log`` does)."""
+    turns = [dict(m) for m in datum_dict["messages"][:-1]]
+    if task_data_spec.prompt:
+        first = next(i for i, m in enumerate(turns) if m["role"] == "user")
+        turns[first]["content"] = task_data_spec.prompt.format(turns[first]["content"])
+    if task_data_spec.system_prompt and turns[0]["role"] != "system":
+        turns.insert(0, {"role": "system", "content": task_data_spec.system_prompt})
+    return turns
+
+
+def prompt_data_processor(datum_dict, task_data_spec, tokenizer, max_seq_length, idx):
+    """NeMo-RL's ``math_hf_data_processor`` for any prompt conversation.
+
+    A single user turn goes through ``math_hf_data_processor`` itself. A conversation (a system
+    turn of its own, earlier turns) is rendered the same way -- the whole prompt templated with
+    the generation prompt as one message, ``ground_truth`` the answer -- since that processor
+    reads only ``messages[0]`` as the problem and ``messages[1]`` as the answer.
+    """
     from nemo_rl.data.processors import math_hf_data_processor
 
-    spec = math_hf_data_processor(datum_dict, task_data_spec, tokenizer, max_seq_length, idx)
+    messages = datum_dict["messages"]
+    if len(messages) == 2 and messages[0]["role"] == "user":
+        return math_hf_data_processor(datum_dict, task_data_spec, tokenizer, max_seq_length, idx)
+    text = tokenizer.apply_chat_template(
+        prompt_turns(datum_dict, task_data_spec),
+        tokenize=False,
+        add_generation_prompt=True,
+        add_special_tokens=False,
+    )
+    token_ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+    message_log = [{"role": "user", "content": text, "token_ids": token_ids}]
+    length, loss_multiplier = len(token_ids), 1.0
+    if length >= max_seq_length:  # as math_hf_data_processor: cut, and train nothing on it
+        message_log[0]["token_ids"] = token_ids[: min(4, max_seq_length)]
+        loss_multiplier = 0.0
+    return {
+        "message_log": message_log,
+        "length": length,
+        "extra_env_info": {"ground_truth": messages[-1]["content"]},
+        "loss_multiplier": loss_multiplier,
+        "idx": idx,
+        "task_name": datum_dict["task_name"],
+    }
+
+
+def verifier_data_processor(datum_dict, task_data_spec, tokenizer, max_seq_length, idx):
+    """``prompt_data_processor`` plus the row's verifier fields in ``extra_env_info``."""
+    spec = prompt_data_processor(datum_dict, task_data_spec, tokenizer, max_seq_length, idx)
     info = dict(spec.get("extra_env_info") or {})
     for key in ROW_FIELDS:
         if datum_dict.get(key) not in (None, ""):
@@ -136,28 +186,23 @@ def verifier_data_processor(datum_dict, task_data_spec, tokenizer, max_seq_lengt
 
 
 def reward_model_data_processor(datum_dict, task_data_spec, tokenizer, max_seq_length, idx):
-    """``math_hf_data_processor``'s prompt tokens, with the prompt kept as raw turns.
+    """``prompt_data_processor``'s prompt tokens, with the prompt kept as raw turns.
 
     NeMo-RL's reward-model environment renders the message log's *contents* with the chat
     template (``get_formatted_message_log``); ``math_hf_data_processor`` stores the already
     templated prompt there, so the reward model would score a conversation templated twice,
-    not what the rm stage trained on. Here the system turn (when the stage has one) and the
-    user turn keep their raw text; all the prompt's token ids, which generation reads, stay
-    on the user turn (the system turn's are empty), so what is generated does not change.
+    not what the rm stage trained on. Here every turn (the task's system turn when the
+    conversation has none of its own, earlier turns, the last user turn) keeps its raw text; all
+    the prompt's token ids, which generation reads, stay on the last turn (the others' are
+    empty), so what is generated does not change.
     """
-    from nemo_rl.data.processors import math_hf_data_processor
-
-    spec = math_hf_data_processor(datum_dict, task_data_spec, tokenizer, max_seq_length, idx)
+    spec = prompt_data_processor(datum_dict, task_data_spec, tokenizer, max_seq_length, idx)
     (prompt,) = spec["message_log"]
-    problem = datum_dict["messages"][0]["content"]
-    turns = []
-    if task_data_spec.system_prompt:
-        turns.append(
-            {"role": "system", "content": task_data_spec.system_prompt, "token_ids": prompt["token_ids"][:0]}
-        )
-    content = task_data_spec.prompt.format(problem) if task_data_spec.prompt else problem
-    turns.append({"role": "user", "content": content, "token_ids": prompt["token_ids"]})
-    spec["message_log"] = turns
+    turns = prompt_turns(datum_dict, task_data_spec)
+    spec["message_log"] = [
+        {**t, "token_ids": prompt["token_ids"] if i == len(turns) - 1 else prompt["token_ids"][:0]}
+        for i, t in enumerate(turns)
+    ]
     return spec
 
 

@@ -2,7 +2,8 @@
 
 Gym reads raw JSONL where each line is ``{"responses_create_params": {"input": [...]},
 "agent_ref": {...}, <task fields>}`` (``agent_ref`` is what Gym's ``ng_prepare_data`` adds).
-The prepared ``rlvr``/``rlhf`` rows (``prompt``, ``answer``, ``verifier``) become that shape
+The prepared ``rlvr``/``rlhf`` rows (``prompt`` -- the conversation, system turn included --,
+``answer``, ``verifier``) become that shape, the conversation as the Responses API ``input``,
 with the answer kept as ``expected_answer`` (math_with_judge's field) and the original row
 fields kept alongside, as the Nemotron runner's ``materialize_nemo_gym_response_data`` does.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from alignpipe.artifacts import write_text_atomic
+from alignpipe.data.schema import as_conversation
 from alignpipe.errors import ConfigError
 
 
@@ -45,12 +47,14 @@ def to_gym_row(row: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             f"row {row.get('id', '?')} has no 'prompt' (prepared rlvr/rlhf rows need prompt and answer)"
         )
-    asks = "math_with_judge" in str(ref.get("name", "")) and "\\boxed" not in row["prompt"]
-    content = BOXED_INSTRUCTION + row["prompt"] if asks else row["prompt"]
+    turns = as_conversation(row["prompt"])
+    question = turns[-1]["content"]  # the user turn the reply answers
+    if "math_with_judge" in str(ref.get("name", "")) and "\\boxed" not in question:
+        turns[-1] = {**turns[-1], "content": BOXED_INSTRUCTION + question}
     gym = {
-        "responses_create_params": {"input": [{"role": "user", "content": content}]},
+        "responses_create_params": {"input": turns},
         "agent_ref": ref,
-        "question": row["prompt"],
+        "question": question,
     }
     if "answer" in row:
         gym["expected_answer"] = str(row["answer"])
