@@ -12,12 +12,28 @@ NeMo-RL v0.7.0 dataset class reads:
 * ``response`` (ResponseDataset: ``input_key``/``output_key``, default ``input``/``output``) -> sft, rlvr, rlhf
 * ``messages`` (OpenAI ``messages``) -> sft, rlvr, rlhf
 
+and the community formats (data-formats conventions of LLaMA-Factory, Axolotl and TRL):
+
+* ``sharegpt`` (``conversations`` of ``{from, value}`` turns; ``human``/``user``, ``gpt``/
+  ``assistant``/``model``, ``system``, ``tool``; an optional ``system`` column) -> every family
+  (preference: the conversation ends with the user's turn, ``chosen``/``rejected`` the replies)
+* ``alpaca`` (``instruction``, optional ``input`` joined to it by a newline, ``output``; optional
+  ``system`` and ``history`` of earlier ``[instruction, response]`` pairs) -> every family
+  (preference: ``chosen``/``rejected`` instead of ``output``)
+* ``hh_rlhf`` (Anthropic HH-RLHF: ``chosen``/``rejected`` transcripts of ``\n\nHuman: ``/
+  ``\n\nAssistant: `` turns sharing all but the last reply) -> preference
+
+A prompt (``prompt``/``context``/``input``, or the turns before the reply) may be a string or a
+conversation (an optional system turn first, earlier turns, a last user turn); every family
+keeps it whole as a message list (``alignpipe.data.schema``).
+
 ``answer_format: gsm8k`` keeps only the final answer after GSM8K's ``#### `` marker (as
 NeMo-RL's GSM8KDataset does with ``extract_answer``).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from alignpipe.data.schema import VERIFIERS
@@ -28,9 +44,24 @@ FORMATS: dict[str, tuple[str, ...]] = {
     "preference": ("preference",),
     "ultrafeedback": ("preference",),
     "helpsteer3": ("preference",),
+    "hh_rlhf": ("preference",),
     "response": ("sft", "rlvr", "rlhf"),
     "messages": ("sft", "rlvr", "rlhf"),
+    "sharegpt": ("sft", "preference", "rlvr", "rlhf"),
+    "alpaca": ("sft", "preference", "rlvr", "rlhf"),
 }
+# ShareGPT speakers (``from``) -> roles, as LLaMA-Factory's and Axolotl's defaults read them.
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+}
+# Anthropic HH-RLHF transcripts: each turn opens with one of these markers.
+HH_MARKERS = {"Human": "user", "Assistant": "assistant"}
 ANSWER_FORMATS = ("text", "gsm8k")
 ROLES = ("system", "user", "assistant", "tool")
 GSM8K_MARKER = "####"
@@ -111,21 +142,33 @@ class SourceRecord:
             out.append({"role": m["role"], "content": m["content"]})
         return out
 
-    def prompt_from(self, key: str, msgs: list[dict[str, str]]) -> str:
-        if len(msgs) != 1 or msgs[0]["role"] != "user":
+    def conversation(self, key: str, msgs: list[dict[str, str]]) -> list[dict[str, str]]:
+        """The conversation before a reply: an optional system turn first, then the turns so
+        far, ending with a user turn (what preference, rlvr and rlhf rows carry as ``prompt``)."""
+        self.system_first(key, msgs)
+        if msgs[-1]["role"] != "user":
             raise self.fail(
-                key,
-                f"the prompt must be a single user turn for this family, found {len(msgs)} message(s)",
-                "use a string prompt or one user message (on_invalid: skip drops multi-turn records)",
+                f"{key}[{len(msgs) - 1}].role",
+                f"the prompt must end with a user turn, found '{msgs[-1]['role']}'",
+                "drop the trailing turn (it is the reply) or end the context with the user's message",
             )
-        return msgs[0]["content"]
+        return msgs
 
-    def context_prompt(self, key: str) -> str:
-        """A string prompt, or a context of messages that is one user turn."""
-        ctx = self.get(key)
-        return (
-            self.text(key, role="user") if isinstance(ctx, str) else self.prompt_from(key, self.messages(key))
-        )
+    def system_first(self, key: str, msgs: list[dict[str, str]]) -> None:
+        for j, m in enumerate(msgs):
+            if m["role"] == "system" and j > 0:
+                raise self.fail(
+                    f"{key}[{j}].role",
+                    "a system turn can only be the first message",
+                    "move it to the front or merge it into the first system turn",
+                )
+
+    def prompt(self, key: str, value: Any = None) -> list[dict[str, str]]:
+        """A prompt: a string (one user turn) or a list of messages ending with a user turn."""
+        value = self.get(key) if value is None else value
+        if isinstance(value, list):
+            return self.conversation(key, self.messages(key, value))
+        return [{"role": "user", "content": self.text(key, value, role="user")}]
 
 
 def _task(r: SourceRecord, src: dict[str, Any], default: str) -> str:
@@ -171,7 +214,7 @@ def _tests(r: SourceRecord, src: dict[str, Any], verifier: str) -> list[str] | N
 
 
 def _rl_fields(
-    r: SourceRecord, src: dict[str, Any], prompt: str, answer: str, answer_field: str
+    r: SourceRecord, src: dict[str, Any], prompt: list[dict[str, str]], answer: str, answer_field: str
 ) -> dict[str, Any]:
     vkey = src.get("verifier_key", "verifier")
     verifier = r.rec.get(vkey, src.get("verifier"))
@@ -211,19 +254,18 @@ def _binary_preference(src: dict[str, Any], r: SourceRecord) -> dict[str, str]:
         src.get("chosen_key", "chosen"),
         src.get("rejected_key", "rejected"),
     )
-    prompt = r.text(pk, role="user")
-    return {"prompt": prompt, **_pair(r, rk, r.text(ck), r.text(rk))}
+    return {"prompt": r.prompt(pk), **_pair(r, rk, r.text(ck), r.text(rk))}
 
 
-def _pair(r: SourceRecord, field: str, chosen: str, rejected: str) -> dict[str, str]:
+def _pair(r: SourceRecord, field: str, chosen: str, rejected: str) -> dict[str, Any]:
     if chosen == rejected:
         raise r.fail(field, "is identical to the chosen response", "drop the pair: it carries no preference")
     return {"chosen": chosen, "rejected": rejected}
 
 
-def _ranked_preference(src: dict[str, Any], r: SourceRecord) -> dict[str, str]:
+def _ranked_preference(src: dict[str, Any], r: SourceRecord) -> dict[str, Any]:
     xk, ck = src.get("context_key", "context"), src.get("completions_key", "completions")
-    prompt = r.context_prompt(xk)
+    prompt = r.prompt(xk)
     comps = r.get(ck)
     if not isinstance(comps, list) or len(comps) != 2:
         n = len(comps) if isinstance(comps, list) else type(comps).__name__
@@ -252,7 +294,7 @@ def _ranked_preference(src: dict[str, Any], r: SourceRecord) -> dict[str, str]:
     return {"prompt": prompt, **_pair(r, ck, chosen, rejected)}
 
 
-def _ultrafeedback(src: dict[str, Any], r: SourceRecord) -> dict[str, str]:
+def _ultrafeedback(src: dict[str, Any], r: SourceRecord) -> dict[str, Any]:
     pk, ck, rk = (
         src.get("prompt_key", "prompt"),
         src.get("chosen_key", "chosen"),
@@ -274,17 +316,27 @@ def _ultrafeedback(src: dict[str, Any], r: SourceRecord) -> dict[str, str]:
             f"has other turns before the reply than '{ck}'",
             "both conversations must share the prompt turns (NeMo-RL's Tulu3PreferenceDataset asserts the same)",
         )
-    prompt = r.prompt_from(ck, convs[ck][:-1])
-    if r.get(pk, required=False) is not None and r.text(pk, role="user").strip() != prompt.strip():
-        raise r.fail(pk, f"differs from the user turn of '{ck}'", f"drop '{pk}' or make it match")
+    prompt = r.conversation(ck, convs[ck][:-1])
+    # UltraFeedback's string ``prompt`` repeats the last user turn; a list must be the context.
+    given = r.get(pk, required=False)
+    if given is not None:
+        same = (
+            r.text(pk, role="user").strip() == prompt[-1]["content"].strip()
+            if isinstance(given, str)
+            else r.prompt(pk) == prompt
+        )
+        if not same:
+            raise r.fail(
+                pk, f"differs from the turns before the reply in '{ck}'", f"drop '{pk}' or make it match"
+            )
     return {"prompt": prompt, **_pair(r, rk, convs[ck][-1]["content"], convs[rk][-1]["content"])}
 
 
-def _helpsteer3(src: dict[str, Any], r: SourceRecord) -> dict[str, str] | None:
+def _helpsteer3(src: dict[str, Any], r: SourceRecord) -> dict[str, Any] | None:
     """HelpSteer3's ``overall_preference``: -3..-1 prefer response1, 1..3 response2, 0 = tie (None)."""
     xk, pk = src.get("context_key", "context"), src.get("preference_key", "overall_preference")
     k1, k2 = src.get("response1_key", "response1"), src.get("response2_key", "response2")
-    prompt = r.context_prompt(xk)
+    prompt = r.prompt(xk)
     one, two = r.text(k1), r.text(k2)
     pref = r.get(pk)
     if isinstance(pref, float) and pref.is_integer():
@@ -301,12 +353,158 @@ def _helpsteer3(src: dict[str, Any], r: SourceRecord) -> dict[str, str] | None:
     return {"prompt": prompt, **_pair(r, k2 if pref < 0 else k1, chosen, rejected)}
 
 
+def _sharegpt_turns(src: dict[str, Any], r: SourceRecord) -> tuple[list[dict[str, str]], str]:
+    """A ShareGPT record's ``conversations`` as messages (after its ``system`` column, if any)."""
+    mk, rk, ck = (
+        src.get("messages_key", "conversations"),
+        src.get("role_key", "from"),
+        src.get("content_key", "value"),
+    )
+    turns = r.get(mk)
+    if not isinstance(turns, list) or not turns:
+        raise r.fail(mk, f"must be a non-empty list of {{{rk}, {ck}}} turns", "see the ShareGPT format")
+    msgs = [_sharegpt_turn(r, f"{mk}[{j}]", t, rk, ck) for j, t in enumerate(turns)]
+    sk = src.get("system_key", "system")
+    if r.get(sk, required=False) is not None and msgs[0]["role"] != "system":
+        msgs.insert(0, {"role": "system", "content": r.text(sk)})
+    return msgs, mk
+
+
+def _sharegpt_turn(r: SourceRecord, where: str, turn: Any, rk: str, ck: str) -> dict[str, str]:
+    if not isinstance(turn, dict) or not isinstance(turn.get(rk), str) or not isinstance(turn.get(ck), str):
+        raise r.fail(where, f"must be an object with string '{rk}' and '{ck}'", "see the ShareGPT format")
+    role = SHAREGPT_ROLES.get(turn[rk])
+    if role is None:
+        known = ", ".join(SHAREGPT_ROLES)
+        raise r.fail(
+            f"{where}.{rk}", f"unknown role '{turn[rk]}'", f"use one of {known} (or rename it with columns)"
+        )
+    if not turn[ck].strip():
+        raise r.fail(f"{where}.{ck}", "is empty", "drop the turn or fill it")
+    return {"role": role, "content": turn[ck]}
+
+
+def _sharegpt_preference(src: dict[str, Any], r: SourceRecord) -> dict[str, Any]:
+    msgs, mk = _sharegpt_turns(src, r)
+    ck, rk = src.get("chosen_key", "chosen"), src.get("rejected_key", "rejected")
+    role, content = src.get("role_key", "from"), src.get("content_key", "value")
+
+    def reply(key: str) -> str:
+        value = r.get(key)
+        if isinstance(value, dict):
+            turn = _sharegpt_turn(r, key, value, role, content)
+            if turn["role"] != "assistant":
+                raise r.fail(f"{key}.{role}", "must be the assistant's reply", "use gpt/assistant")
+            return turn["content"]
+        return r.text(key, value)
+
+    return {"prompt": r.conversation(mk, msgs), **_pair(r, rk, reply(ck), reply(rk))}
+
+
+def _alpaca_prompt(src: dict[str, Any], r: SourceRecord) -> list[dict[str, str]]:
+    """An Alpaca record's prompt as LLaMA-Factory builds it: ``system``, the ``history`` pairs as
+    earlier turns, then ``instruction`` and ``input`` joined by a newline (an empty input adds
+    nothing) as the user turn."""
+    ik, nk = src.get("instruction_key", "instruction"), src.get("input_key", "input")
+    sk, hk = src.get("system_key", "system"), src.get("history_key", "history")
+    user = r.text(ik)
+    extra = r.get(nk, required=False)
+    if extra is not None and not isinstance(extra, str):
+        raise r.fail(
+            nk, f"must be a string, found {type(extra).__name__}", "store the input as text or leave it empty"
+        )
+    if extra and extra.strip():
+        user = f"{user}\n{extra}"
+    msgs = [{"role": "system", "content": r.text(sk)}] if r.get(sk, required=False) is not None else []
+    history = r.get(hk, required=False) or []
+    if not isinstance(history, list):
+        raise r.fail(hk, "must be a list of [instruction, response] pairs", "see the Alpaca format")
+    for j, pair in enumerate(history):
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise r.fail(f"{hk}[{j}]", "must be an [instruction, response] pair", "see the Alpaca format")
+        msgs.append({"role": "user", "content": r.text(f"{hk}[{j}][0]", pair[0])})
+        msgs.append({"role": "assistant", "content": r.text(f"{hk}[{j}][1]", pair[1])})
+    return [*msgs, {"role": "user", "content": user}]
+
+
+def _alpaca_preference(src: dict[str, Any], r: SourceRecord) -> dict[str, Any]:
+    ck, rk = src.get("chosen_key", "chosen"), src.get("rejected_key", "rejected")
+    return {"prompt": _alpaca_prompt(src, r), **_pair(r, rk, r.text(ck), r.text(rk))}
+
+
+def _hh_transcript(r: SourceRecord, key: str) -> list[dict[str, str]]:
+    """An HH-RLHF transcript (``\n\nHuman: ...\n\nAssistant: ...``) as messages."""
+    text = r.text(key)
+    if "\n\nAssistant:" not in text:
+        raise r.fail(
+            key,
+            "has no '\\n\\nAssistant:' turn",
+            "an HH-RLHF transcript alternates '\\n\\nHuman: ' and '\\n\\nAssistant: ' turns, ending with the reply",
+        )
+    head, *parts = re.split(r"\n\n(Human|Assistant):[ ]?", text)
+    if head.strip():
+        raise r.fail(
+            key, f"starts with text before its first turn: {head[:40]!r}", "start with '\\n\\nHuman: '"
+        )
+    msgs = []
+    for j, (who, body) in enumerate(zip(parts[::2], parts[1::2], strict=True)):
+        if not body.strip():
+            raise r.fail(key, f"turn {j + 1} ({who}) is empty", "drop the record or fill the turn")
+        msgs.append({"role": HH_MARKERS[who], "content": body.strip()})
+    return msgs
+
+
+def _hh_rlhf(src: dict[str, Any], r: SourceRecord) -> dict[str, Any]:
+    ck, rk = src.get("chosen_key", "chosen"), src.get("rejected_key", "rejected")
+    chosen, rejected = _hh_transcript(r, ck), _hh_transcript(r, rk)
+    for key, msgs in ((ck, chosen), (rk, rejected)):
+        if msgs[-1]["role"] != "assistant":
+            raise r.fail(
+                key,
+                "must end with the assistant's reply",
+                "end the transcript with '\\n\\nAssistant: <reply>'",
+            )
+    if chosen[:-1] != rejected[:-1]:
+        raise r.fail(
+            rk,
+            f"has other turns before the reply than '{ck}'",
+            "both transcripts must share all turns but the last reply",
+        )
+    prompt = r.conversation(ck, chosen[:-1])
+    return {"prompt": prompt, **_pair(r, rk, chosen[-1]["content"], rejected[-1]["content"])}
+
+
 PREFERENCE_READERS = {
     "binary_preference": _binary_preference,
     "preference": _ranked_preference,
     "ultrafeedback": _ultrafeedback,
     "helpsteer3": _helpsteer3,
+    "hh_rlhf": _hh_rlhf,
+    "sharegpt": _sharegpt_preference,
+    "alpaca": _alpaca_preference,
 }
+
+
+def _conversation(fmt: str, src: dict[str, Any], r: SourceRecord) -> tuple[list[dict[str, str]], str, str]:
+    """A record of a conversation format as (messages ending with the answer, the key that
+    names them in errors, the answer's field)."""
+    if fmt == "sharegpt":
+        msgs, mk = _sharegpt_turns(src, r)
+        return msgs, mk, f"{mk}[{len(msgs) - 1}].{src.get('content_key', 'value')}"
+    if fmt == "alpaca":
+        ok = src.get("output_key", "output")
+        prompt = _alpaca_prompt(src, r)
+        return (
+            [*prompt, {"role": "assistant", "content": r.text(ok)}],
+            src.get("instruction_key", "instruction"),
+            ok,
+        )
+    mk = src.get("messages_key", "messages")
+    if fmt == "messages" or mk in r.rec:
+        msgs = r.messages(mk)
+        return msgs, mk, f"{mk}[{len(msgs) - 1}].content"
+    ik, ok = src.get("input_key", "input"), src.get("output_key", "output")  # response
+    return [*r.prompt(ik), {"role": "assistant", "content": r.text(ok)}], ik, ok
 
 
 def convert(
@@ -314,34 +512,21 @@ def convert(
 ) -> dict[str, Any] | None:
     """One source record -> one prepared row (without id) of ``family``; None for a dropped tie."""
     task = _task(r, src, default_task)
-    if fmt in PREFERENCE_READERS:
+    if family == "preference":
         pair = PREFERENCE_READERS[fmt](src, r)
         return None if pair is None else {"task": task, **pair}
 
-    # response / messages -> sft, rlvr, rlhf
-    if fmt == "messages" or (fmt == "response" and src.get("messages_key", "messages") in r.rec):
-        mk = src.get("messages_key", "messages")
-        msgs = r.messages(mk)
-        if msgs[-1]["role"] != "assistant" or not any(m["role"] == "user" for m in msgs):
-            raise r.fail(
-                mk, "must contain a user turn and end with an assistant turn", "append the assistant reply"
-            )
-        answer_field = f"{mk}[{len(msgs) - 1}].content"
-        if family == "sft":
-            last = {"role": "assistant", "content": final_answer(r, src, msgs[-1]["content"], answer_field)}
-            return {"task": task, "messages": [*msgs[:-1], last]}
-        prompt, answer = r.prompt_from(mk, msgs[:-1]), msgs[-1]["content"]
-    else:
-        ik, ok = src.get("input_key", "input"), src.get("output_key", "output")
-        prompt, answer = r.text(ik), r.text(ok)
-        answer_field = ok
-        if family == "sft":
-            answer = final_answer(r, src, answer, answer_field)
-            return {
-                "task": task,
-                "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}],
-            }
-    return {"task": task, **_rl_fields(r, src, prompt, answer, answer_field)}
+    msgs, key, answer_field = _conversation(fmt, src, r)
+    if msgs[-1]["role"] != "assistant" or not any(m["role"] == "user" for m in msgs):
+        raise r.fail(
+            key, "must contain a user turn and end with an assistant turn", "append the assistant reply"
+        )
+    r.system_first(key, msgs)
+    if family == "sft":
+        last = {"role": "assistant", "content": final_answer(r, src, msgs[-1]["content"], answer_field)}
+        return {"task": task, "messages": [*msgs[:-1], last]}
+    prompt = r.conversation(key, msgs[:-1])
+    return {"task": task, **_rl_fields(r, src, prompt, msgs[-1]["content"], answer_field)}
 
 
 def math_gold_error(where: str, line: int, field: str, answer: str) -> DataError:

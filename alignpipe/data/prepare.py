@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from alignpipe.artifacts import md5_file
-from alignpipe.data import builtin
+from alignpipe.data import builtin, mixture
 from alignpipe.data.schema import FAMILIES, SCHEMA, SPLITS, canonical_json, prompt_of, row_id, with_id
 from alignpipe.data.split import SplitSpec, normalize_prompt, split_spec
 from alignpipe.errors import ConfigError, DataError
@@ -35,17 +35,18 @@ def collect(
                 f"prep config: sources[{i}] must be a mapping with a 'kind' ({', '.join(SOURCE_KINDS)})"
             )
         kind = src["kind"]
+        mixture.source_weight(src, i)  # a bad weight stops prep before any source is read
         if kind == "builtin":
-            spec = builtin.builtin_spec(src, cfg.get("builtin"))
+            spec = builtin.builtin_spec({k: v for k, v in src.items() if k != "weight"}, cfg.get("builtin"))
             generated = builtin.generate(spec, split)
             for fam, fam_rows in generated.items():
-                rows[fam].extend(fam_rows)
+                rows[fam].extend({**r, "_source": i} for r in fam_rows)
             entries.append({"kind": "builtin", **spec, "rows": {f: len(r) for f, r in generated.items()}})
         elif kind in SOURCE_KINDS:
             from alignpipe.data import readers
 
             fam, fam_rows, entry, bad = readers.read_source(src, i, root)
-            rows[fam].extend(fam_rows)
+            rows[fam].extend({**r, "_source": i} for r in fam_rows)
             entries.append(entry)
             rejected["total"] += len(bad)
             rejected["by_family"][fam] += len(bad)
@@ -57,22 +58,22 @@ def collect(
     return rows, entries, rejected
 
 
-ORIGIN_KEYS = ("_where", "_line")  # where a source row came from; never written
+ORIGIN_KEYS = ("_where", "_line", "_source")  # where a source row came from; never written
+# A row as placed in a split: (row with id, origin "file:line", index of its source in the config).
+Placed = tuple[dict, str, int]
 
 
 def _origin(row: dict[str, Any]) -> str:
     return f"{row['_where']}:{row['_line']}" if "_where" in row else "builtin source"
 
 
-def split_family(
-    fam: str, rows: list[dict], split: SplitSpec
-) -> tuple[dict[str, list[tuple[dict, str]]], int]:
-    """(row with id, origin) per split, exact duplicates dropped (first occurrence kept), and their count."""
+def split_family(fam: str, rows: list[dict], split: SplitSpec) -> tuple[dict[str, list[Placed]], int]:
+    """Rows placed per split, exact duplicates dropped (first occurrence kept), and their count."""
     seen: set[str] = set()
-    by_split: dict[str, list[tuple[dict, str]]] = {s: [] for s in SPLITS}
+    by_split: dict[str, list[Placed]] = {s: [] for s in SPLITS}
     dups = 0
     for row in rows:
-        origin = _origin(row)
+        origin, source = _origin(row), row.get("_source", -1)
         row = {k: v for k, v in row.items() if k not in ORIGIN_KEYS}
         # Exact duplicates: same content fields, whatever task label each source gave them.
         key = row_id(fam, {k: v for k, v in row.items() if k not in ("id", "task")})
@@ -81,11 +82,11 @@ def split_family(
             continue
         seen.add(key)
         row = with_id(fam, row)
-        by_split[split.assign(prompt_of(fam, row))].append((row, origin))
+        by_split[split.assign(prompt_of(fam, row))].append((row, origin, source))
     return by_split, dups
 
 
-def check_heldout_leaks(splits: dict[str, dict[str, list[tuple[dict, str]]]], limit: int = 10) -> None:
+def check_heldout_leaks(splits: dict[str, dict[str, list[Placed]]], limit: int = 10) -> None:
     """Fail when a validation/test prompt of any family is in any family's train split.
 
     Prompts are compared normalised (:func:`~alignpipe.data.split.normalize_prompt` of their
@@ -94,11 +95,11 @@ def check_heldout_leaks(splits: dict[str, dict[str, list[tuple[dict, str]]]], li
     heldout: dict[str, str] = {}
     for fam, by_split in splits.items():
         for s in ("validation", "test"):
-            for row, origin in by_split[s]:
+            for row, origin, _ in by_split[s]:
                 heldout.setdefault(normalize_prompt(prompt_of(fam, row)), f"{fam}/{s} ({origin})")
     pairs = []
     for fam, by_split in splits.items():
-        for row, origin in by_split["train"]:
+        for row, origin, _ in by_split["train"]:
             prompt = prompt_of(fam, row)
             other = heldout.get(normalize_prompt(prompt))
             if other is not None:
@@ -115,13 +116,13 @@ def check_heldout_leaks(splits: dict[str, dict[str, list[tuple[dict, str]]]], li
         )
 
 
-def _write_family(out_dir: Path, fam: str, by_split: dict[str, list[tuple[dict, str]]]) -> dict[str, dict]:
+def _write_family(out_dir: Path, fam: str, by_split: dict[str, list[Placed]]) -> dict[str, dict]:
     files = {}
     (out_dir / fam).mkdir(parents=True, exist_ok=True)
     for s in SPLITS:
         path = out_dir / fam / f"{s}.jsonl"
         with path.open("w", encoding="utf-8", newline="\n") as f:
-            for row in sorted((r for r, _ in by_split[s]), key=lambda r: r["id"]):
+            for row in sorted((r for r, _, _ in by_split[s]), key=lambda r: r["id"]):
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
         files[f"{fam}/{s}.jsonl"] = {"rows": len(by_split[s]), "md5": md5_file(path)}
     return files
@@ -137,6 +138,13 @@ def prepare(cfg: dict[str, Any], root: Path, out_dir: Path) -> dict[str, Any]:
     for fam in FAMILIES:
         splits[fam], duplicates[fam] = split_family(fam, rows[fam], split)
     check_heldout_leaks(splits)
+    mixtures = mixture.mix_families(cfg, cfg["sources"], splits, split.seed)
+    for i, entry in enumerate(entries):  # what each source put in each split, after mixing
+        entry["splits"] = {
+            fam: {s: sum(1 for _, _, src in splits[fam][s] if src == i) for s in SPLITS}
+            for fam in FAMILIES
+            if any(src == i for s in SPLITS for _, _, src in splits[fam][s])
+        }
     counts = {fam: {s: len(splits[fam][s]) for s in SPLITS} for fam in FAMILIES}
     files: dict[str, dict[str, Any]] = {}
     for fam in FAMILIES:
@@ -154,6 +162,7 @@ def prepare(cfg: dict[str, Any], root: Path, out_dir: Path) -> dict[str, Any]:
         "rows_rejected": rejected,
         "ties_dropped": {"total": sum(ties.values()), "by_family": ties},
         "heldout": "rlvr/test.jsonl",
+        "mixtures": mixtures,
     }
     (out_dir / MANIFEST_NAME).write_text(
         json.dumps(json.loads(canonical_json(manifest)), indent=2, sort_keys=True, ensure_ascii=False) + "\n",
