@@ -177,6 +177,10 @@ def repo_copy(tmp_path: Path, monkeypatch) -> Path:
 
 # Small, fast settings for trainer tests: same code paths, fewer steps.
 FAST_SFT = {"sft": {"sft": {"max_num_steps": 40}}}
+# Trainer tests check mechanics (resume, adapters, launchers), not conversations: single-turn
+# data trains in half the time (a `chat` row is ~3x a plain one's tokens, and pads its batch).
+# The committed pipeline (`tiny_pipeline`) and the equivalence suite train conversations.
+SINGLE_TURN = {"prep": {"builtin": {"tasks": {"chat": {"weight": 0}}}}}
 
 
 def set_writable(root: Path, writable: bool) -> None:
@@ -226,7 +230,7 @@ def trained_sft(tmp_path_factory) -> Path:
     def build(tmp: Path) -> None:
         root = copy_repo(tmp / "repo")
         env = {"ALIGNPIPE_SCRATCH": str(tmp / "scratch")}
-        set_params(root, FAST_SFT)
+        set_params(root, {**FAST_SFT, **SINGLE_TURN})
         for stage in ("prep", "base", "sft"):
             run_cli(root, "run", stage, env=env)
         set_writable(root, False)

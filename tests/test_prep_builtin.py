@@ -9,7 +9,7 @@ import pytest
 
 from alignpipe.data import builtin
 from alignpipe.data.prepare import prepare
-from alignpipe.data.schema import FAMILIES, SCHEMA, SPLITS, prompt_of, row_id
+from alignpipe.data.schema import FAMILIES, SCHEMA, SPLITS, prompt_of, row_id, single_turn
 from alignpipe.data.split import SplitSpec, normalize_prompt, split_spec
 from alignpipe.errors import ConfigError
 
@@ -37,6 +37,13 @@ def read_all(out: Path) -> dict[str, dict[str, list[dict]]]:
         }
         for f in FAMILIES
     }
+
+
+def asked(row: dict) -> str:
+    """The text of a builtin row's prompt, which is always exactly one user turn."""
+    text = single_turn(row["prompt"])
+    assert text is not None, row["prompt"]
+    return text
 
 
 def file_bytes(out: Path) -> dict[str, bytes]:
@@ -74,6 +81,8 @@ def test_counts_and_shapes(prepared):
                 assert set(row) == set(SCHEMA[fam]) - {"tests", "extract"}  # optional fields
                 assert row["id"] == row_id(fam, row)
                 assert row["task"] in builtin.TASKS
+                if "prompt" in row:  # written as messages: one user turn, nothing else
+                    assert row["prompt"] == [{"role": "user", "content": asked(row)}]
     tasks = {r["task"] for r in data["sft"]["train"]}
     assert tasks == {"sort", "reverse", "add"}
     for row in data["sft"]["train"]:
@@ -83,7 +92,7 @@ def test_counts_and_shapes(prepared):
         assert assistant["content"] == builtin.solve(user["content"])
     for fam in ("rlvr", "rlhf"):
         for row in data[fam]["train"] + data[fam]["test"]:
-            assert row["answer"] == builtin.solve(row["prompt"])
+            assert row["answer"] == builtin.solve(asked(row))
             assert row["verifier"] == ("numeric" if row["task"] == "add" else "exact")
 
 
@@ -99,7 +108,7 @@ def test_boxed_style_asks_in_words_and_answers_in_a_box(tmp_path):
     for fam in FAMILIES:  # the requested counts hold: the split keys on the prompt as shown
         assert {s: len(data[fam][s]) for s in SPLITS} == COUNTS[fam]
     rl = data["rlvr"]["test"][0]
-    assert rl["prompt"].endswith("Put the final answer in \\boxed{}.") and rl["extract"] == "boxed"
+    assert asked(rl).endswith("Put the final answer in \\boxed{}.") and rl["extract"] == "boxed"
     assert (
         score_completion(rl, f"\\boxed{{{rl['answer']}}}") == 1.0
         and score_completion(rl, rl["answer"]) == 0.0
@@ -109,7 +118,7 @@ def test_boxed_style_asks_in_words_and_answers_in_a_box(tmp_path):
     pair = data["preference"]["train"][0]
     assert pair["chosen"].startswith("\\boxed{") and pair["rejected"].startswith("\\boxed{")
     assert pair["chosen"] != pair["rejected"]
-    worded = {r["prompt"].split(" of ")[0].split()[0] for r in data["rlvr"]["train"]}
+    worded = {asked(r).split(" of ")[0].split()[0] for r in data["rlvr"]["train"]}
     assert worded == {"Sort", "Write", "What"}
 
 
@@ -126,7 +135,7 @@ def test_task_shapes_exact():
 
 def test_digit_lengths_respected(prepared):
     for row in read_all(prepared)["rlvr"]["train"]:
-        task, _, arg = row["prompt"].partition(":")
+        task, _, arg = asked(row).partition(":")
         if task in ("sort", "reverse"):
             assert arg.isdigit() and 3 <= len(arg) <= 6
         else:
@@ -142,7 +151,7 @@ def test_splits_disjoint_across_families(prepared):
             for row in data[fam][s]:
                 where.setdefault(normalize_prompt(prompt_of(fam, row)), set()).add(s)
     assert all(len(splits) == 1 for splits in where.values())
-    heldout = {r["prompt"] for r in data["rlvr"]["test"]}
+    heldout = {asked(r) for r in data["rlvr"]["test"]}
     for fam in FAMILIES:
         train_prompts = {prompt_of(fam, r) for r in data[fam]["train"]}
         assert not heldout & train_prompts, fam
@@ -160,7 +169,7 @@ def test_rejected_is_plausible_and_wrong(prepared):
     kinds = set()
     for row in rows:
         chosen, rejected = row["chosen"], row["rejected"]
-        assert chosen == builtin.solve(row["prompt"])
+        assert chosen == builtin.solve(asked(row))
         assert rejected != chosen and rejected.isdigit()
         assert abs(len(rejected) - len(chosen)) <= 1
         if row["task"] == "add":
@@ -232,7 +241,7 @@ def test_degenerate_negatives_mix_in_off_distribution_rejections(tmp_path):
         r
         for r in rows
         if len(set(r["rejected"])) == 1
-        or r["rejected"] == "".join(c for c in r["prompt"].split(":")[1] if c.isdigit())
+        or r["rejected"] == "".join(c for c in asked(r).split(":")[1] if c.isdigit())
     ]
     assert 0.3 < len(degenerate) / len(rows) < 0.75
     assert all(r["rejected"] != r["chosen"] for r in rows)
@@ -243,3 +252,39 @@ def test_degenerate_answer_never_equals_the_answer():
     for answer, prompt in [("111", "sort:111"), ("5", "add:2+3"), ("1234", "reverse:4321")]:
         for _ in range(200):
             assert builtin.degenerate(answer, prompt, rng) != answer
+
+
+@pytest.mark.parametrize("style", ["plain", "boxed"])
+def test_chat_rows_are_conversations_answered_by_their_last_question(tmp_path, style):
+    """The ``chat`` task: a system turn, an earlier exchange answered correctly, then a
+    question; every family carries the conversation, the answer is the last question's, and
+    the split is keyed by the user turns (the system turn and the reply do not move it)."""
+    cfg = config(counts={f: {"train": 40, "validation": 0, "test": 10} for f in FAMILIES})
+    cfg["builtin"]["style"] = style
+    cfg["builtin"]["tasks"] = {"sort": {"weight": 1}, "chat": {"weight": 1}}
+    prepare(cfg, Path.cwd(), tmp_path)
+    rows = read_all(tmp_path)
+    chats = 0
+    for fam in FAMILIES:
+        for s in SPLITS:
+            for row in rows[fam][s]:
+                if row["task"] != "chat":
+                    continue
+                chats += 1
+                turns = row["messages"][:-1] if fam == "sft" else row["prompt"]
+                assert [t["role"] for t in turns] == ["system", "user", "assistant", "user"], turns
+                assert turns[0]["content"] == builtin.CHAT_SYSTEM[style]
+                earlier, question = turns[1]["content"], turns[3]["content"]
+                if style == "plain":
+                    assert turns[2]["content"] == builtin.solve(earlier)  # the exchange is right
+                    given = (
+                        row["messages"][-1]["content"]
+                        if fam == "sft"
+                        else row.get("answer", row.get("chosen"))
+                    )
+                    assert given == builtin.solve(question)
+                else:
+                    assert "\\boxed{" in turns[2]["content"] and builtin.BOX_INSTRUCTION.strip() in question
+                assert prompt_of(fam, row) == f"{earlier}\n{question}"
+                assert row["id"] == row_id(fam, row)
+    assert chats > 20

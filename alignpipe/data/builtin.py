@@ -5,6 +5,10 @@ Shapes (one token per character for the tiny char-level Llama; prompts are the r
 * ``sort:52813``   -> ``12358``  (digits ascending), verifier ``exact``
 * ``reverse:5281`` -> ``1825``, verifier ``exact``
 * ``add:37+48``    -> ``85``, verifier ``numeric``
+* ``chat``: a conversation -- a system turn, a solved exchange, then the question -- whose
+  answer is the last question's (``[system: Digits only., user: sort:528,
+  assistant: 258, user: reverse:9134]`` -> ``4319``), so every stage trains, samples and
+  scores conversations
 
 ``style: boxed`` (the ``small`` profile: a real instruct model) asks the same tasks in words
 and answers in ``\\boxed{}``, read by the verifiers with ``extract: boxed`` as NeMo-RL's math
@@ -22,18 +26,24 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from alignpipe.data.schema import FAMILIES, SPLITS
+from alignpipe.data.schema import FAMILIES, SPLITS, as_conversation, user_text
 from alignpipe.data.split import SplitSpec, normalize_prompt
 from alignpipe.errors import ConfigError
 
-TASKS = ("sort", "reverse", "add")
+TASKS = ("sort", "reverse", "add")  # what a builtin source without ``tasks`` draws
 VERIFIER = {"sort": "exact", "reverse": "exact", "add": "numeric"}
 DEFAULT_TASKS: dict[str, dict[str, int]] = {
     "sort": {"min_digits": 3, "max_digits": 6, "weight": 1},
     "reverse": {"min_digits": 3, "max_digits": 6, "weight": 1},
     "add": {"min_digits": 1, "max_digits": 3, "weight": 1},
+    "chat": {"min_digits": 3, "max_digits": 5, "weight": 1},
 }
+# chat: the system turn, and the tasks its earlier exchange and its question are drawn from.
+CHAT_SYSTEM = {"plain": "Digits only.", "boxed": "Answer briefly."}
+CHAT_TASKS = ("sort", "reverse")
 DIGITS = "0123456789"
+# A builtin prompt: ``sort:528``, or for ``chat`` (earlier question, question).
+Question = str | tuple[str, str]
 STYLES = ("plain", "boxed")
 # style: boxed. The instruction follows Gym's own math prompts ("... in \\boxed{}").
 WORDED = {
@@ -72,15 +82,21 @@ def _operand(rng: random.Random, digits: int) -> int:
     return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
 
-def make_instance(task: str, spec: dict[str, int], rng: random.Random) -> tuple[str, str]:
+def make_instance(task: str, spec: dict[str, int], rng: random.Random) -> tuple[Question, str]:
+    """A prompt and its answer; a ``chat`` prompt is (earlier question, question): the answer
+    is the question's."""
     lo, hi = int(spec["min_digits"]), int(spec["max_digits"])
+    if task == "chat":
+        earlier, _ = make_instance(rng.choice(CHAT_TASKS), {**spec, "max_digits": lo}, rng)
+        question, answer = make_instance(rng.choice(CHAT_TASKS), spec, rng)
+        return (earlier, question), answer
     if task in ("sort", "reverse"):
         s = "".join(rng.choice(DIGITS) for _ in range(rng.randint(lo, hi)))
         prompt = f"{task}:{s}"
     elif task == "add":
         prompt = f"add:{_operand(rng, rng.randint(lo, hi))}+{_operand(rng, rng.randint(lo, hi))}"
     else:
-        raise ConfigError(f"prep config: unknown builtin task '{task}'; known: {', '.join(TASKS)}")
+        raise ConfigError(f"prep config: unknown builtin task '{task}'; known: {', '.join(DEFAULT_TASKS)}")
     return prompt, solve(prompt)
 
 
@@ -146,7 +162,9 @@ def builtin_spec(src: dict[str, Any], defaults: dict[str, Any] | None) -> dict[s
     tasks: dict[str, dict[str, int]] = {}
     for name, t in tasks_cfg.items():
         if name not in DEFAULT_TASKS:
-            raise ConfigError(f"prep config: unknown builtin task '{name}'; known: {', '.join(TASKS)}")
+            raise ConfigError(
+                f"prep config: unknown builtin task '{name}'; known: {', '.join(DEFAULT_TASKS)}"
+            )
         merged = {**DEFAULT_TASKS[name], **(t or {})}
         if not 1 <= int(merged["min_digits"]) <= int(merged["max_digits"]):
             raise ConfigError(
@@ -185,7 +203,7 @@ def builtin_spec(src: dict[str, Any], defaults: dict[str, Any] | None) -> dict[s
             "style": style}  # fmt: skip
 
 
-def _pool(spec: dict[str, Any], split: SplitSpec) -> dict[str, list[tuple[str, str, str]]]:
+def _pool(spec: dict[str, Any], split: SplitSpec) -> dict[str, list[tuple[str, Question, str]]]:
     need = {s: max((c[s] for c in spec["counts"].values()), default=0) for s in SPLITS}
     for s, n in need.items():
         if n > 0 and split.fraction(s) <= 0:
@@ -196,13 +214,15 @@ def _pool(spec: dict[str, Any], split: SplitSpec) -> dict[str, list[tuple[str, s
     rng = random.Random(f"alignpipe-builtin-pool:{spec['seed']}")
     names = list(spec["tasks"])
     weights = [float(spec["tasks"][t]["weight"]) for t in names]
-    pool: dict[str, list[tuple[str, str, str]]] = {s: [] for s in SPLITS}
+    pool: dict[str, list[tuple[str, Question, str]]] = {s: [] for s in SPLITS}
     seen: set[str] = set()
     misses = 0
     while any(len(pool[s]) < need[s] for s in SPLITS):
         task = rng.choices(names, weights)[0]
         prompt, answer = make_instance(task, spec["tasks"][task], rng)
-        key = normalize_prompt(prompt)
+        style = spec.get("style", "plain")
+        shown = user_text(conversation(task, prompt, style))  # what prep splits by
+        key = normalize_prompt(shown)
         if key in seen:
             misses += 1
             if misses > 200_000:
@@ -212,7 +232,6 @@ def _pool(spec: dict[str, Any], split: SplitSpec) -> dict[str, list[tuple[str, s
                 )
             continue
         seen.add(key)
-        shown = worded(prompt) if spec.get("style") == "boxed" else prompt  # what prep splits by
         pool[split.assign(shown)].append((task, prompt, answer))
     return pool
 
@@ -233,26 +252,44 @@ def generate(spec: dict[str, Any], split: SplitSpec) -> dict[str, list[dict[str,
     return out
 
 
+def conversation(task: str, prompt: Question, style: str) -> str | list[dict[str, str]]:
+    """What a row asks: the prompt's text, or for ``chat`` the conversation (system turn, the
+    earlier exchange answered, the question), worded and boxed in ``boxed`` style."""
+    ask = worded if style == "boxed" else str
+    if task != "chat":
+        return ask(prompt)
+    earlier, question = prompt
+    reply = boxed(solve(earlier)) if style == "boxed" else solve(earlier)
+    return [
+        {"role": "system", "content": CHAT_SYSTEM[style]},
+        {"role": "user", "content": ask(earlier)},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": ask(question)},
+    ]
+
+
 def family_row(
-    fam: str, task: str, prompt: str, answer: str, spec: dict[str, Any], rng: random.Random
+    fam: str, task: str, prompt: Question, answer: str, spec: dict[str, Any], rng: random.Random
 ) -> dict:
     """One row of ``fam``; in ``boxed`` style the prompt is worded and answers are boxed."""
     wrap = boxed if spec.get("style") == "boxed" else str
-    shown = worded(prompt) if spec.get("style") == "boxed" else prompt
+    shown = conversation(task, prompt, spec.get("style", "plain"))
+    question = prompt[1] if task == "chat" else prompt  # the turn the answer answers
+    verifier = VERIFIER[question.partition(":")[0]]
     if fam == "sft":
         return {
             "task": task,
-            "messages": [{"role": "user", "content": shown}, {"role": "assistant", "content": wrap(answer)}],
+            "messages": [*as_conversation(shown), {"role": "assistant", "content": wrap(answer)}],
         }
     if fam == "preference":
         # Draw only when enabled, so fraction 0 leaves the data byte-identical.
         fraction = spec.get("degenerate_negatives", 0.0)
         if fraction > 0 and rng.random() < fraction:
-            rejected = degenerate(answer, prompt, rng)
+            rejected = degenerate(answer, question, rng)
         else:
-            rejected = corrupt(answer, rng, numeric=VERIFIER[task] == "numeric")
+            rejected = corrupt(answer, rng, numeric=verifier == "numeric")
         return {"task": task, "prompt": shown, "chosen": wrap(answer), "rejected": wrap(rejected)}
-    row = {"task": task, "prompt": shown, "answer": answer, "verifier": VERIFIER[task]}
+    row = {"task": task, "prompt": shown, "answer": answer, "verifier": verifier}
     if spec.get("style") == "boxed":
         row["extract"] = "boxed"
     return row
