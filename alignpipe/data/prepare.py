@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -139,12 +140,10 @@ def prepare(cfg: dict[str, Any], root: Path, out_dir: Path) -> dict[str, Any]:
         splits[fam], duplicates[fam] = split_family(fam, rows[fam], split)
     check_heldout_leaks(splits)
     mixtures = mixture.mix_families(cfg, cfg["sources"], splits, split.seed)
+    placed = Counter((src, fam, s) for fam in FAMILIES for s in SPLITS for _, _, src in splits[fam][s])
     for i, entry in enumerate(entries):  # what each source put in each split, after mixing
-        entry["splits"] = {
-            fam: {s: sum(1 for _, _, src in splits[fam][s] if src == i) for s in SPLITS}
-            for fam in FAMILIES
-            if any(src == i for s in SPLITS for _, _, src in splits[fam][s])
-        }
+        fams = [f for f in FAMILIES if any(placed[(i, f, s)] for s in SPLITS)]
+        entry["splits"] = {f: {s: placed[(i, f, s)] for s in SPLITS} for f in fams}
     counts = {fam: {s: len(splits[fam][s]) for s in SPLITS} for fam in FAMILIES}
     files: dict[str, dict[str, Any]] = {}
     for fam in FAMILIES:
