@@ -15,6 +15,8 @@ from typing import Any
 
 from lm_eval.api.task import ConfigurableTask
 
+from alignpipe.measure.generation import prompt_messages
+
 
 class ConversationTask(ConfigurableTask):
     def __init__(self, config: dict[str, Any] | None = None) -> None:
@@ -37,6 +39,4 @@ class ConversationTask(ConfigurableTask):
                 f"{self.config.task}: conversation documents need a chat template (apply_chat_template)"
             )
         turns = [{"role": m["role"], "content": m["content"]} for m in doc["prompt"]]
-        if system_instruction and turns[0]["role"] != "system":
-            turns.insert(0, {"role": "system", "content": system_instruction})
-        return chat_template(turns, add_generation_prompt=True)
+        return chat_template(prompt_messages(turns, system_instruction), add_generation_prompt=True)
