@@ -109,17 +109,23 @@ def copy_repo(dst: Path, *, git: bool = False) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / rel, target)
     if git:
-        env = {
-            **os.environ,
-            "GIT_AUTHOR_NAME": "t",
-            "GIT_AUTHOR_EMAIL": "t@t",
-            "GIT_COMMITTER_NAME": "t",
-            "GIT_COMMITTER_EMAIL": "t@t",
-        }
-        subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
-        subprocess.run(["git", "add", "-A"], cwd=dst, check=True)
-        subprocess.run(["git", "commit", "-qm", "copy"], cwd=dst, check=True, env=env)
+        commit_all(dst)
     return dst
+
+
+def commit_all(root: Path) -> None:
+    """Make ``root`` a git repo (if it is not) and commit everything in it."""
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
+    if not (root / ".git").exists():
+        subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=root, check=True)
+    subprocess.run(["git", "commit", "-qm", "copy"], cwd=root, check=True, env=env)
 
 
 def set_params(root: Path, updates: dict) -> None:

@@ -5,9 +5,12 @@ says what each source gave."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from alignpipe.data.mixture import shares
 from alignpipe.data.prepare import prepare
@@ -99,3 +102,36 @@ def test_bad_mixtures_are_named(tmp_path, weights, mix, words):
         prep(tmp_path, *sources, mix=mix)
     assert words in str(info.value)
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_an_experiment_that_changes_one_weight_reruns_prep_with_the_new_proportions(tmp_path):
+    """`dvc exp run -S prep.sources.1.weight=3`: DVC's Hydra composition reaches one source of a
+    list by its index, and prep (whose params are the whole `prep` section) re-runs on it."""
+    from tests.conftest import OFFLINE, commit_all, copy_repo
+
+    root = copy_repo(tmp_path / "repo")
+    (root / "data" / "sources").mkdir(parents=True)
+    sources = [
+        {**source_file(root / "data" / "sources", name, 200), "path": f"data/sources/{name}.jsonl", "weight": 1}
+        for name in ("a", "b")
+    ]
+    profile = root / "conf" / "profile" / "tiny.yaml"
+    conf = yaml.safe_load(profile.read_text())
+    conf["prep"]["sources"] = sources
+    profile.write_text("# @package _global_\n" + yaml.safe_dump(conf, sort_keys=False))
+    (root / "dvc.lock").unlink()  # its other outputs are not in this copy's cache
+    commit_all(root)  # experiments run from a commit
+    env = {**os.environ, **OFFLINE}
+
+    def exp_run(*overrides: str) -> list[dict]:
+        args = [a for o in overrides for a in ("-S", o)]
+        proc = subprocess.run(["dvc", "exp", "run", *args, "prep"], cwd=root, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        manifest = json.loads((root / "data" / "prepared" / "manifest.json").read_text())
+        return list(manifest["mixtures"]["rlvr"]["sources"].values())
+
+    a, b = exp_run()
+    assert a["drawn"] == b["drawn"] == min(a["available"], b["available"])  # 1:1
+    a, b = exp_run("prep.sources.1.weight=3")
+    assert (a["weight"], b["weight"]) == (1, 3)
+    assert b["drawn"] == b["available"] and a["drawn"] == round(b["available"] / 3)  # b is the limit now
