@@ -33,6 +33,55 @@ SFT_ROWS = [
 ]
 
 
+# Tool calling (OpenAI messages + ``tools``), with heterogeneous arguments across rows: trained on
+# a template that renders tools (TOOLS_TEMPLATE, the tiny markers plus Qwen2.5-style tool blocks).
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALC = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {}}}}
+
+
+def call(name: str, **arguments) -> dict:
+    return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}  # fmt: skip
+
+
+TOOL_ROWS = [
+    {
+        "messages": [
+            {"role": "user", "content": "weather in Paris?"},
+            call("get_weather", city="Paris"),
+            {"role": "tool", "content": "18C", "name": "get_weather"},
+            {"role": "assistant", "content": "18 degrees."},
+        ],
+        "tools": [WEATHER],
+    },
+    {
+        "messages": [
+            {"role": "system", "content": "Use tools."},
+            {"role": "user", "content": "2+3 to 2 places"},
+            call("calc", expr="2+3", precision=2),
+        ],
+        "tools": [WEATHER, CALC],
+    },
+]
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>Tools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}<|end|>{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<|system|>{{ message['content'] }}<|end|>{% endif %}"
+    "{% if message['role'] == 'user' %}<|user|>{{ message['content'] }}<|end|>{% endif %}"
+    "{% if message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}"
+    "{% for c in message.tool_calls or [] %}<call>{{ c.function.name }} {{ c.function.arguments | tojson }}</call>{% endfor %}"
+    "<|end|>{% endif %}"
+    "{% if message['role'] == 'tool' %}<|user|><result>{{ message['content'] }}</result><|end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
@@ -69,7 +118,11 @@ def tokenizers(tmp_path_factory) -> dict[str, Path]:
 
     tiny = tmp_path_factory.mktemp("tiny-tokenizer")
     train_char_tokenizer(["".join(chr(c) for c in range(32, 127))]).save_pretrained(tiny)
-    return {"tiny": tiny, "small": build()}
+    tools = tmp_path_factory.mktemp("tools-tokenizer")
+    tokenizer = train_char_tokenizer(["".join(chr(c) for c in range(32, 127)) + "\n"])
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tokenizer.save_pretrained(tools)
+    return {"tiny": tiny, "small": build(), "tools": tools}
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -83,20 +136,30 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+def config_profile(profile: str) -> str:
+    return "tiny" if profile == "tools" else profile
+
+
 def prepared(stage: str, profile: str, rows: list[dict], tmp: Path, tokenizer: Path) -> dict:
     """The rendered config reading ``rows`` as its training data, with ``tokenizer``."""
     where = tmp / f"{stage}-{profile}"
     where.mkdir(parents=True, exist_ok=True)
-    cfg = rendered(stage, profile, where)
+    cfg = rendered(stage, config_profile(profile), where)
+    if profile == "tools":  # tool schemas are long in characters; the tiny profile's limit is 64
+        cfg["data"]["max_input_seq_length"] = 1024
     cfg["data"]["train"]["data_path"] = str(write_jsonl(where / "train.jsonl", rows))
     cfg["data"].pop("validation", None)
     cfg["policy"]["tokenizer"]["name"] = str(tokenizer)
     return cfg
 
 
-def sft_rows(cfg: dict) -> list[list[dict]]:
+def sft_rows(cfg: dict, profile: str) -> list[dict]:
+    """Prepared sft rows; with the ``tools`` tokenizer, tool-calling ones too (others: plain)."""
     limit = int(cfg["data"]["max_input_seq_length"])
-    return [*SFT_ROWS, [{"role": "user", "content": too_long(limit)}, {"role": "assistant", "content": "1"}]]
+    long = [{"role": "user", "content": too_long(limit)}, {"role": "assistant", "content": "1"}]
+    return (
+        [{"messages": m} for m in SFT_ROWS] + (TOOL_ROWS if profile == "tools" else []) + [{"messages": long}]
+    )
 
 
 def preference_rows(cfg: dict) -> list[dict]:
@@ -107,6 +170,7 @@ def preference_rows(cfg: dict) -> list[dict]:
 CASES = [
     ("sft", "tiny"),
     ("sft", "small"),
+    ("sft", "tools"),  # the tiny profile's config, a template that renders tools
     ("dpo", "tiny"),
     ("dpo", "small"),
     ("rm", "tiny"),
@@ -120,9 +184,8 @@ def upstream(tokenizers, nemo_rl_runtime, tmp_path_factory) -> dict[tuple[str, s
     tmp = tmp_path_factory.mktemp("data")
     cases = {}
     for stage, profile in CASES:
-        (tmp / f"r-{stage}-{profile}").mkdir()
-        cfg = rendered(stage, profile, tmp / f"r-{stage}-{profile}")
-        rows = [{"messages": m} for m in sft_rows(cfg)] if stage == "sft" else preference_rows(cfg)
+        cfg = prepared(stage, profile, [], tmp / "r", tokenizers[profile])
+        rows = sft_rows(cfg, profile) if stage == "sft" else preference_rows(cfg)
         cases[(stage, profile)] = prepared(stage, profile, rows, tmp, tokenizers[profile])
     out = {}
     for probe, stages in (("sft_data", ("sft",)), ("preference_data", ("dpo", "rm"))):
@@ -132,12 +195,12 @@ def upstream(tokenizers, nemo_rl_runtime, tmp_path_factory) -> dict[tuple[str, s
     return out
 
 
-@pytest.mark.parametrize("profile", ["tiny", "small"])
+@pytest.mark.parametrize("profile", ["tiny", "small", "tools"])
 def test_sft_tokens_and_masks_equal_nemo_rls(profile, tokenizers, upstream) -> None:
     from alignpipe.engines.local.sft import sft_examples
 
     cfg, theirs = upstream[("sft", profile)]["config"], upstream[("sft", profile)]["rows"]
-    rows = sft_rows(cfg)
+    rows = sft_rows(cfg, profile)
     ours = sft_examples(load_tokenizer(tokenizers[profile]), rows, cfg)
     assert len(ours) == len(theirs) == len(rows)
     for i, (mine, up) in enumerate(zip(ours, theirs, strict=True)):
@@ -146,6 +209,24 @@ def test_sft_tokens_and_masks_equal_nemo_rls(profile, tokenizers, upstream) -> N
         assert mine["completion_mask"] == want, i
     assert theirs[-1]["loss_multiplier"] == 0.0 and sum(ours[-1]["completion_mask"]) == 0  # kept, weight 0
     assert all(sum(o["completion_mask"]) for o in ours[:-1])
+    if profile == "tools":  # the schemas and the calls are in what both engines train
+        tokenizer = load_tokenizer(tokenizers[profile])
+        weather = tokenizer.decode(ours[len(SFT_ROWS)]["input_ids"])
+        assert '"name": "get_weather"' in weather and '<call>get_weather {"city": "Paris"}</call>' in weather
+        trained = [t for t, m in zip(ours[len(SFT_ROWS) + 1]["input_ids"], ours[len(SFT_ROWS) + 1]["completion_mask"], strict=True) if m]  # fmt: skip
+        assert '<call>calc {"expr": "2+3", "precision": 2}</call>' in tokenizer.decode(trained)
+
+
+def test_a_template_that_cannot_render_tools_is_refused_naming_it(tokenizers) -> None:
+    """Transformers' templates drop what they do not know: SmolLM2's would train the calls away."""
+    from alignpipe.engines.local.sft import sft_examples
+    from alignpipe.errors import DataError
+
+    cfg = {"data": {"max_input_seq_length": 512}}
+    with pytest.raises(DataError) as info:
+        sft_examples(load_tokenizer(tokenizers["small"]), [{"messages": SFT_ROWS[0]}, *TOOL_ROWS], cfg, where="sft/train.jsonl")  # fmt: skip
+    msg = str(info.value)
+    assert "sft/train.jsonl:2" in msg and str(tokenizers["small"]) in msg and "'get_weather'" in msg
 
 
 @pytest.mark.parametrize("stage", ["dpo", "rm"])

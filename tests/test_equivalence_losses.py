@@ -128,7 +128,7 @@ def test_sft_loss_and_gradient_equal_nemo_rls_nll(models, nemo_rl_runtime, tmp_p
         [{"role": "user", "content": "reverse abcdef"}, {"role": "assistant", "content": "fedcba"}],
         [{"role": "user", "content": "9" * limit}, {"role": "assistant", "content": "1"}],  # weight 0
     ]
-    rows = sft_examples(tokenizer, conversations, cfg)
+    rows = sft_examples(tokenizer, [{"messages": m} for m in conversations], cfg)
     args = SFTConfig(output_dir=str(tmp_path / "sft"), report_to=[], use_cpu=True, completion_only_loss=True,
                      packing=False, max_length=None)  # as sft.run: the rows already follow NeMo-RL's length rule  # fmt: skip
     trainer = SFTTrainer(

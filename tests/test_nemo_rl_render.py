@@ -116,7 +116,8 @@ def test_data_sections_point_at_prepared_families(stage: str, tmp_path: Path) ->
             "rejected",
         )
     elif family == "sft":
-        assert default["dataset_name"] == "ResponseDataset" and default["processor"] == "sft_processor"
+        assert default["dataset_name"] == "openai_format" and default["processor"] == "sft_processor"
+        assert default["use_preserving_dataset"] is True  # rows as written (tool calls' arguments)
     else:
         assert (default["input_key"], default["output_key"]) == ("prompt", "answer")
 

@@ -78,7 +78,7 @@ def test_counts_and_shapes(prepared):
             assert len(data[fam][s]) == COUNTS[fam][s], (fam, s)
             for row in data[fam][s]:
                 assert list(row)[:2] == ["id", "task"]
-                assert set(row) == set(SCHEMA[fam]) - {"tests", "extract"}  # optional fields
+                assert set(row) == set(SCHEMA[fam]) - {"tests", "extract", "tools"}  # optional fields
                 assert row["id"] == row_id(fam, row)
                 assert row["task"] in builtin.TASKS
                 if "prompt" in row:  # written as messages: one user turn, nothing else

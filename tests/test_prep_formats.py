@@ -133,6 +133,33 @@ def test_hh_rlhf_transcripts_become_the_shared_turns_and_two_replies(tmp_path):
     }
 
 
+def test_tool_calling_conversations_go_to_sft_in_the_shape_templates_read(tmp_path):
+    """OpenAI messages with tool calls: ``arguments`` JSON strings become objects (what
+    transformers' templates render), a ``tools`` JSON string becomes its list, ids are kept."""
+    rows = {
+        r["messages"][0]["content"]: r
+        for r in rows_of(tmp_path, "sft", path="tool_calls.jsonl", format="messages")
+    }
+    weather = rows["Weather in Paris?"]
+    assert weather["messages"][1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                "id": "call_1",
+            }
+        ],
+    }
+    assert weather["messages"][2] == {"role": "tool", "content": "18C", "tool_call_id": "call_1"}
+    assert weather["tools"][0]["function"]["name"] == "get_weather"
+    calc = rows["What is 2+3?"]  # a conversation may end with the call the model learns to make
+    assert calc["messages"][-1]["tool_calls"][0]["function"]["arguments"] == {"expr": "2+3", "precision": 2}
+    assert calc["tools"] == [{"name": "calc", "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}]  # fmt: skip
+    assert "tools" not in rows["Hi"]
+
+
 @pytest.mark.parametrize(
     "family,source,line,field,words",
     [
@@ -143,6 +170,10 @@ def test_hh_rlhf_transcripts_become_the_shared_turns_and_two_replies(tmp_path):
          "no '\\n\\nAssistant:' turn"),
         ("sft", {"path": "alpaca_rl.jsonl", "format": "alpaca", "instruction_key": "task"}, 1, "task",
          "is missing"),
+        ("sft", {"path": "tool_calls_bad.jsonl", "format": "messages"}, 2,
+         "messages[1].tool_calls[0].function.arguments", "is not JSON"),
+        ("rlvr", {"path": "tool_calls.jsonl", "format": "messages", "verifier": "exact"}, 1, "messages[1]",
+         "tool-call conversations feed the sft family only"),
     ],
 )  # fmt: skip
 def test_malformed_records_are_named(tmp_path, family, source, line, field, words):

@@ -112,7 +112,11 @@ def test_an_experiment_that_changes_one_weight_reruns_prep_with_the_new_proporti
     root = copy_repo(tmp_path / "repo")
     (root / "data" / "sources").mkdir(parents=True)
     sources = [
-        {**source_file(root / "data" / "sources", name, 200), "path": f"data/sources/{name}.jsonl", "weight": 1}
+        {
+            **source_file(root / "data" / "sources", name, 200),
+            "path": f"data/sources/{name}.jsonl",
+            "weight": 1,
+        }
         for name in ("a", "b")
     ]
     profile = root / "conf" / "profile" / "tiny.yaml"
@@ -125,7 +129,9 @@ def test_an_experiment_that_changes_one_weight_reruns_prep_with_the_new_proporti
 
     def exp_run(*overrides: str) -> list[dict]:
         args = [a for o in overrides for a in ("-S", o)]
-        proc = subprocess.run(["dvc", "exp", "run", *args, "prep"], cwd=root, env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            ["dvc", "exp", "run", *args, "prep"], cwd=root, env=env, capture_output=True, text=True
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         manifest = json.loads((root / "data" / "prepared" / "manifest.json").read_text())
         return list(manifest["mixtures"]["rlvr"]["sources"].values())

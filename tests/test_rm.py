@@ -22,7 +22,7 @@ def tsv(path: Path) -> list[tuple[int, float]]:
 
 @pytest.fixture(scope="module")
 def rm_run(tiny_pipeline) -> Path:
-    """The committed profile's reward model (150 steps on the 250-step SFT policy), trained once
+    """The committed profile's reward model (250 steps on the 250-step SFT policy), trained once
     per session by the shared ``tiny_pipeline``."""
     return tiny_pipeline.root
 

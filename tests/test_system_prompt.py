@@ -48,7 +48,7 @@ def test_every_training_format_starts_with_the_system_turn():
     tokenizer = train_char_tokenizer(["".join(chr(c) for c in range(32, 127))])
     cfg = {"data": {"max_input_seq_length": 200, "add_bos": False}}
     qa = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    (row,) = sft_examples(tokenizer, [qa], cfg, SYSTEM)
+    (row,) = sft_examples(tokenizer, [{"messages": qa}], cfg, SYSTEM)
     text = tokenizer.decode(row["input_ids"])
     assert text.index(SYSTEM) < text.index("q") < text.index("a")
     assert tokenizer.decode(
@@ -56,7 +56,9 @@ def test_every_training_format_starts_with_the_system_turn():
     ).endswith("a" + tokenizer.eos_token)
     # A conversation with its own system turn keeps it.
     own = [{"role": "system", "content": "mine"}, *qa]
-    assert SYSTEM not in tokenizer.decode(sft_examples(tokenizer, [own], cfg, SYSTEM)[0]["input_ids"])
+    assert SYSTEM not in tokenizer.decode(
+        sft_examples(tokenizer, [{"messages": own}], cfg, SYSTEM)[0]["input_ids"]
+    )
     (pair,) = preference_examples(tokenizer, [{"prompt": "q", "chosen": "a", "rejected": "b"}], cfg, SYSTEM)
     assert tokenizer.decode(pair["rejected_input_ids"]).index(SYSTEM) < tokenizer.decode(
         pair["rejected_input_ids"]

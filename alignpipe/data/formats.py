@@ -10,7 +10,8 @@ NeMo-RL v0.7.0 dataset class reads:
 * ``helpsteer3`` (HelpSteer3Dataset: ``context``, ``response1``/``response2``,
   ``overall_preference`` in -3..3; < 0 prefers response1, > 0 response2, 0 is a tie and dropped) -> preference
 * ``response`` (ResponseDataset: ``input_key``/``output_key``, default ``input``/``output``) -> sft, rlvr, rlhf
-* ``messages`` (OpenAI ``messages``) -> sft, rlvr, rlhf
+* ``messages`` (OpenAI ``messages``) -> sft, rlvr, rlhf; for sft also tool calling: assistant
+  ``tool_calls``, ``tool`` turns and the record's ``tools`` (``tools_key``), as OpenAIFormatDataset reads them
 
 and the community formats (data-formats conventions of LLaMA-Factory, Axolotl and TRL):
 
@@ -33,6 +34,7 @@ NeMo-RL's GSM8KDataset does with ``extract_answer``).
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -115,7 +117,10 @@ class SourceRecord:
             raise self.fail(key, "is empty", "drop the record or fill the field")
         return value
 
-    def messages(self, key: str, value: Any = None) -> list[dict[str, str]]:
+    def messages(self, key: str, value: Any = None, tools: bool = False) -> list[dict[str, Any]]:
+        """A non-empty list of ``{role, content}`` messages. With ``tools``, assistant turns may
+        carry OpenAI ``tool_calls`` (content then may be empty) and tool turns their
+        ``tool_call_id``/``name`` (``tool_turn``)."""
         value = self.get(key) if value is None else value
         if not isinstance(value, list) or not value:
             raise self.fail(
@@ -123,6 +128,15 @@ class SourceRecord:
             )
         out = []
         for j, m in enumerate(value):
+            if isinstance(m, dict) and (m.get("tool_calls") is not None or "tool_call_id" in m):
+                if not tools:
+                    raise self.fail(
+                        f"{key}[{j}]",
+                        "is a tool-call turn; tool-call conversations feed the sft family only",
+                        "use family: sft for tool-calling data (format: messages), or drop the record",
+                    )
+                out.append(self.tool_turn(f"{key}[{j}]", m))
+                continue
             if (
                 not isinstance(m, dict)
                 or not isinstance(m.get("role"), str)
@@ -141,6 +155,91 @@ class SourceRecord:
                 raise self.fail(f"{key}[{j}].content", "is empty", "drop the message or fill it")
             out.append({"role": m["role"], "content": m["content"]})
         return out
+
+    def tool_turn(self, key: str, m: dict[str, Any]) -> dict[str, Any]:
+        """An assistant turn with ``tool_calls`` or a tool result, in the shape transformers'
+        chat templates read: ``{"type": "function", "function": {"name", "arguments": {...}}}``
+        (OpenAI's JSON-string ``arguments`` parsed into the object templates expect)."""
+        role, content = m.get("role"), m.get("content")
+        if role == "tool":
+            if not isinstance(content, str) or not content.strip():
+                raise self.fail(
+                    f"{key}.content", "a tool result must be a non-empty string", "fill it or drop the turn"
+                )
+            turn = {"role": "tool", "content": content}
+            for k in ("tool_call_id", "name"):
+                if m.get(k) is not None:
+                    if not isinstance(m[k], str):
+                        raise self.fail(
+                            f"{key}.{k}", f"must be a string, found {m[k]!r}", "store it as a string"
+                        )
+                    turn[k] = m[k]
+            return turn
+        if role != "assistant":
+            raise self.fail(
+                f"{key}.role", f"'{role}' turn carries tool_calls", "only assistant turns call tools"
+            )
+        if content is not None and not isinstance(content, str):
+            raise self.fail(f"{key}.content", f"must be a string or null, found {type(content).__name__}")
+        calls = m["tool_calls"]
+        if not isinstance(calls, list) or not calls:
+            raise self.fail(
+                f"{key}.tool_calls", "must be a non-empty list", "drop the key when there is no call"
+            )
+        out_calls = []
+        for c, call in enumerate(calls):
+            where = f"{key}.tool_calls[{c}]"
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+                raise self.fail(
+                    where,
+                    "must be {type: function, function: {name, arguments}}",
+                    "use OpenAI's tool_calls shape",
+                )
+            args = fn.get("arguments", {})
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError as e:
+                    raise self.fail(
+                        f"{where}.function.arguments", f"is not JSON ({e.msg})", "store a JSON object"
+                    ) from None
+            if not isinstance(args, dict):
+                raise self.fail(
+                    f"{where}.function.arguments",
+                    f"must be a JSON object, found {type(args).__name__}",
+                    "store an object",
+                )
+            one = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+            if isinstance(call.get("id"), str):
+                one["id"] = call["id"]
+            out_calls.append(one)
+        return {"role": "assistant", "content": content or "", "tool_calls": out_calls}
+
+    def tools(self, key: str) -> list[dict[str, Any]] | None:
+        """The record's tool schemas (OpenAI ``tools``: a list, or that list as a JSON string
+        as LLaMA-Factory and Axolotl store it), each with a function name; None when absent."""
+        value = self.rec.get(key)
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise self.fail(key, f"is not JSON ({e.msg})", "store a list of tool schemas") from None
+        if not isinstance(value, list) or not value:
+            raise self.fail(
+                key, "must be a non-empty list of tool schemas", "drop the key when there are no tools"
+            )
+        for j, tool in enumerate(value):
+            fn = tool.get("function", tool) if isinstance(tool, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+                raise self.fail(
+                    f"{key}[{j}]",
+                    "must be a tool schema with a name ({type: function, function: {name, parameters}})",
+                    "use OpenAI's tools shape",
+                )
+        return value
 
     def conversation(self, key: str, msgs: list[dict[str, str]]) -> list[dict[str, str]]:
         """The conversation before a reply: an optional system turn first, then the turns so
@@ -485,7 +584,9 @@ PREFERENCE_READERS = {
 }
 
 
-def _conversation(fmt: str, src: dict[str, Any], r: SourceRecord) -> tuple[list[dict[str, str]], str, str]:
+def _conversation(
+    fmt: str, family: str, src: dict[str, Any], r: SourceRecord
+) -> tuple[list[dict[str, Any]], str, str]:
     """A record of a conversation format as (messages ending with the answer, the key that
     names them in errors, the answer's field)."""
     if fmt == "sharegpt":
@@ -501,7 +602,7 @@ def _conversation(fmt: str, src: dict[str, Any], r: SourceRecord) -> tuple[list[
         )
     mk = src.get("messages_key", "messages")
     if fmt == "messages" or mk in r.rec:
-        msgs = r.messages(mk)
+        msgs = r.messages(mk, tools=family == "sft")
         return msgs, mk, f"{mk}[{len(msgs) - 1}].content"
     ik, ok = src.get("input_key", "input"), src.get("output_key", "output")  # response
     return [*r.prompt(ik), {"role": "assistant", "content": r.text(ok)}], ik, ok
@@ -516,15 +617,18 @@ def convert(
         pair = PREFERENCE_READERS[fmt](src, r)
         return None if pair is None else {"task": task, **pair}
 
-    msgs, key, answer_field = _conversation(fmt, src, r)
+    msgs, key, answer_field = _conversation(fmt, family, src, r)
     if msgs[-1]["role"] != "assistant" or not any(m["role"] == "user" for m in msgs):
         raise r.fail(
             key, "must contain a user turn and end with an assistant turn", "append the assistant reply"
         )
     r.system_first(key, msgs)
     if family == "sft":
-        last = {"role": "assistant", "content": final_answer(r, src, msgs[-1]["content"], answer_field)}
-        return {"task": task, "messages": [*msgs[:-1], last]}
+        last = msgs[-1]
+        if "tool_calls" not in last:  # a conversation may end with the call the model learns to make
+            last = {"role": "assistant", "content": final_answer(r, src, last["content"], answer_field)}
+        tools = r.tools(src.get("tools_key", "tools")) if fmt == "messages" else None
+        return {"task": task, "messages": [*msgs[:-1], last], **({"tools": tools} if tools else {})}
     prompt = r.conversation(key, msgs[:-1])
     return {"task": task, **_rl_fields(r, src, prompt, msgs[-1]["content"], answer_field)}
 

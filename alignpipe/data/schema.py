@@ -34,7 +34,9 @@ SCHEMA: dict[str, dict[str, str]] = {
     "sft": {
         "id": "str",
         "task": "str",
-        "messages": "list[{role: str, content: str}] (optional system first, last an assistant turn)",
+        "messages": "list[{role: str, content: str}] (optional system first, last an assistant turn; "
+        "assistant turns may carry tool_calls, tool turns tool_call_id/name)",
+        "tools": "list[tool schema] (optional; tool-calling rows)",
     },
     "preference": {"id": "str", "task": "str", "prompt": CONVERSATION, "chosen": "str", "rejected": "str"},
     "rlvr": dict(_RL_FIELDS),

@@ -37,8 +37,10 @@ def turn_token_ids(
     add_bos: bool = True,
     add_eos: bool = True,
     add_generation_prompt: bool = False,
+    tools: list[dict] | None = None,
 ) -> list[list[int]]:
-    """Token ids of each turn, in order (``get_formatted_message_log``)."""
+    """Token ids of each turn, in order (``get_formatted_message_log``; ``tools``: the row's
+    tool schemas, rendered by the template as NeMo-RL's ``sft_processor`` passes them)."""
     chunks: list[list[int]] = []
     previous = ""
     for i, turn in enumerate(turns):
@@ -46,6 +48,7 @@ def turn_token_ids(
             list(turns[: i + 1]),
             tokenize=False,
             add_generation_prompt=add_generation_prompt and turn["role"] in ("user", "tool"),
+            tools=tools,
         )
         chunk = text[_first_difference(previous, text) :]
         if i == 0 and add_bos and tokenizer.bos_token and not chunk.startswith(tokenizer.bos_token):
@@ -71,11 +74,17 @@ def sft_example(
     add_bos: bool = True,
     add_eos: bool = True,
     add_generation_prompt: bool = False,
+    tools: list[dict] | None = None,
 ) -> dict[str, list[int]]:
     """One SFT row as TRL's pre-tokenised format: ``input_ids`` and ``completion_mask`` (1 on
     assistant turns), all-zero mask when NeMo-RL's ``sft_processor`` would give it weight 0."""
     chunks = turn_token_ids(
-        tokenizer, turns, add_bos=add_bos, add_eos=add_eos, add_generation_prompt=add_generation_prompt
+        tokenizer,
+        turns,
+        add_bos=add_bos,
+        add_eos=add_eos,
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
     )
     trained = [turn["role"] == "assistant" for turn in turns]
     if sum(map(len, chunks)) >= max_length:
@@ -103,3 +112,17 @@ def preference_example(
         out[f"{name}_input_ids"] = [t for c in chunks for t in c]
         out[f"{name}_completion_mask"] = [0] * sum(map(len, chunks[:-1])) + [1] * len(chunks[-1])
     return out
+
+
+def unrendered_tool_names(tokenizer, turns: Sequence[Turn], tools: list[dict] | None) -> list[str]:
+    """Names of the tools and tool calls of a conversation that its chat template leaves out.
+
+    Templates ignore what they do not know: one without tool support renders a tool-calling
+    conversation with the calls (and the schemas) silently dropped, and the model would learn
+    to answer without them. A name that is missing from the rendered text is that case."""
+    names = [t.get("function", t)["name"] for t in tools or []]
+    names += [c["function"]["name"] for turn in turns for c in turn.get("tool_calls") or []]
+    if not names:
+        return []
+    text = tokenizer.apply_chat_template(list(turns), tokenize=False, tools=tools)
+    return [n for n in dict.fromkeys(names) if n not in text]

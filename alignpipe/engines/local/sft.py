@@ -14,9 +14,9 @@ from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, lora, training
-from alignpipe.errors import UnsupportedSetting
+from alignpipe.errors import DataError, UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
-from alignpipe.measure.chat_tokens import sft_example
+from alignpipe.measure.chat_tokens import sft_example, unrendered_tool_names
 from alignpipe.measure.generation import with_system
 from alignpipe.measure.heldout import log_heldout, sample_heldout, samples_file
 from alignpipe.measure.logprobs import LOCAL_DTYPE
@@ -33,23 +33,40 @@ def resolve_model_path(ctx: StageContext, name: str) -> str:
 
 
 def sft_examples(
-    tokenizer, conversations: list[list[dict]], cfg: dict, system: str | None = None
+    tokenizer, rows: list[dict], cfg: dict, system: str | None = None, where: str = ""
 ) -> list[dict]:
-    """Conversations (OpenAI ``messages``) -> TRL's tokenised SFT rows (``input_ids``,
-    ``completion_mask``), with NeMo-RL's ``data.add_bos``/``add_eos``/``add_generation_prompt``
-    and ``max_input_seq_length``, after the stage's system turn (``system``) unless a row has its own."""
+    """Prepared sft rows (OpenAI ``messages``, optional ``tools``) -> TRL's tokenised SFT rows
+    (``input_ids``, ``completion_mask``), with NeMo-RL's ``data.add_bos``/``add_eos``/
+    ``add_generation_prompt`` and ``max_input_seq_length``, after the stage's system turn
+    (``system``) unless a row has its own. A tool-calling row whose calls the chat template
+    cannot render is refused, naming the template (``where``: the data file, for the error)."""
     data = cfg["data"]
-    return [
-        sft_example(
-            tokenizer,
-            with_system(messages, system),
-            max_length=int(data["max_input_seq_length"]),
-            add_bos=bool(data.get("add_bos", True)),
-            add_eos=bool(data.get("add_eos", True)),
-            add_generation_prompt=bool(data.get("add_generation_prompt", False)),
+    out = []
+    for line, row in enumerate(rows, 1):
+        turns, tools = with_system(row["messages"], system), row.get("tools")
+        missing = unrendered_tool_names(tokenizer, turns, tools)
+        if missing:
+            raise DataError(
+                where or "sft data",
+                line,
+                "messages",
+                f"a tool-calling conversation, but the chat template of {tokenizer.name_or_path} does not "
+                f"render tools or tool calls ({', '.join(repr(n) for n in missing)} missing from the rendered text)",
+                "use a model whose chat template takes `tools` (e.g. Qwen2.5, Llama 3.1 instruct), "
+                "or leave tool-calling sources out of sft",
+            )
+        out.append(
+            sft_example(
+                tokenizer,
+                turns,
+                max_length=int(data["max_input_seq_length"]),
+                add_bos=bool(data.get("add_bos", True)),
+                add_eos=bool(data.get("add_eos", True)),
+                add_generation_prompt=bool(data.get("add_generation_prompt", False)),
+                tools=tools,
+            )
         )
-        for messages in conversations
-    ]
+    return out
 
 
 def run(ctx: StageContext) -> None:
@@ -86,9 +103,7 @@ def run(ctx: StageContext) -> None:
 
         def examples(path: str) -> Dataset:
             rows = read_jsonl(ctx.root / path)
-            return Dataset.from_list(
-                sft_examples(tokenizer, [r["messages"] for r in rows], cfg, ctx.system_prompt)
-            )
+            return Dataset.from_list(sft_examples(tokenizer, rows, cfg, ctx.system_prompt, where=path))
 
         train = examples(cfg["data"]["train"]["data_path"])
         val_path = get_path(cfg, "data.validation.data_path")
