@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import OFFLINE, copy_repo, set_params
+from tests.conftest import OFFLINE, SINGLE_TURN, copy_repo, set_params
 
 
 def stage_processes(root: Path) -> list[psutil.Process]:
@@ -40,7 +40,7 @@ def test_sigterm_to_dvc_alone_stops_the_stage_and_repro_resumes(tmp_path: Path, 
     root = copy_repo(tmp_path / "repo", git=True)
     # An orphaned trainer either outlives dvc by 10 s (caught below) or finishes and publishes
     # models/sft (caught after): 150 steps is about 20 s of training here, and the resume pays it.
-    set_params(root, {"sft": {"sft": {"max_num_steps": 150}}})
+    set_params(root, {"sft": {"sft": {"max_num_steps": 150}}, **SINGLE_TURN})
     cfg = root / "stages" / "sft" / "config" / "tiny.yaml"
     cfg.write_text(cfg.read_text().replace("save_period: 50", "save_period: 10"))
     scratch = tmp_path / "scratch"
@@ -90,7 +90,9 @@ def test_a_killed_stage_leaves_no_partial_metrics_and_checkout_restores_the_last
     tmp_path: Path,
 ) -> None:
     root = copy_repo(tmp_path / "repo", git=True)
-    set_params(root, {"sft": {"sft": {"max_num_steps": 40}, "checkpointing": {"save_period": 10}}})
+    set_params(
+        root, {"sft": {"sft": {"max_num_steps": 40}, "checkpointing": {"save_period": 10}}, **SINGLE_TURN}
+    )
     scratch = tmp_path / "scratch"
     env = {
         **os.environ,
