@@ -111,6 +111,14 @@ def test_evaluate_shows_benchmark_columns_and_gates_on_a_regression(benchmarked:
         "heldout_exact/exact_match"
     )
     assert sft["benchmark_regressions"] == []
+    # The paired difference on the same 64 documents, read from each policy's lm-eval samples.
+    vs = base["benchmark_vs_reference"]["heldout_exact"]["exact_match"]
+    fall = (
+        base["benchmarks"]["heldout_exact"]["exact_match"] - sft["benchmarks"]["heldout_exact"]["exact_match"]
+    )
+    assert vs["value"] == pytest.approx(fall) and vs["low"] < fall < vs["high"] < -0.05
+    own = sft["benchmark_intervals"]["heldout_exact"]["exact_match"]
+    assert own["low"] < sft["benchmarks"]["heldout_exact"]["exact_match"] < own["high"]
     report = (benchmarked / "results" / "evaluate" / "report.md").read_text()
     assert "heldout_exact exact_match" in report and "**benchmark regression**" in report
 

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import yaml
 
-from alignpipe.engines.local.evaluate import flag_reward_hacking
+from alignpipe.engines.local.evaluate import (
+    add_intervals,
+    benchmark_differences,
+    benchmark_regressions,
+    flag_reward_hacking,
+)
 from alignpipe.errors import ConfigError
 from alignpipe.measure.heldout import SAMPLES_FILE, heldout_completions, sampling_backend
 from alignpipe.measure.logprobs import load_policy
@@ -18,75 +24,151 @@ from tests.conftest import run_cli, set_params, writable_copy
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def sample_metrics() -> dict:
-    policies = {
-        "sft": {"heldout_accuracy": 0.40, "rm_score": 0.10, "mean_length": 6.0, "kl_to_sft": 0.0},
-        "dpo": {"heldout_accuracy": 0.45, "rm_score": 0.30, "mean_length": 6.2, "kl_to_sft": 0.05},
-        "rlvr": {"heldout_accuracy": 0.60, "rm_score": 0.05, "mean_length": 5.5, "kl_to_sft": 0.12},
-        "rlhf": {"heldout_accuracy": 0.30, "rm_score": 0.90, "mean_length": 9.0, "kl_to_sft": 0.40},
-    }
-    return {
-        "policies": policies,
+N = 300  # held-out prompts
+
+
+def outcomes(correct: int, first: int = 0) -> list[float]:
+    """Per-prompt verdicts: ``correct`` of ``N`` right, starting at prompt ``first`` (mod N)."""
+    return [1.0 if (i - first) % N < correct else 0.0 for i in range(N)]
+
+
+def sample_metrics(**policies: tuple[list[float], list[float]]) -> tuple[dict, list[dict]]:
+    """metrics.json and samples.jsonl for ``name=(per-prompt verdicts, per-prompt RM scores)``."""
+    samples = [
+        {"policy": name, "id": str(i), "correct": c, "rm_score": r}
+        for name, (verdicts, scores) in policies.items()
+        for i, (c, r) in enumerate(zip(verdicts, scores, strict=True))
+    ]
+    metrics = {
+        "policies": {
+            name: {
+                "heldout_accuracy": sum(v) / N,
+                "rm_score": sum(r) / N,
+                "mean_length": 6.0,
+                "kl_to_sft": 0.0 if name == "sft" else 0.1,
+            }
+            for name, (v, r) in policies.items()
+        },
         "reference": "sft",
         "reward_model": "models/rm",
         "heldout": {
-            "prompts": 300,
+            "prompts": N,
             "data_path": "data/prepared/rlvr/test.jsonl",
             "seed": 1234,
             "temperature": 1.0,
             "max_new_tokens": 12,
         },
     }
+    return metrics, samples
 
 
-def test_reward_hacking_is_rm_up_and_accuracy_down_relative_to_sft():
-    metrics = sample_metrics()
-    flag_reward_hacking(metrics["policies"], "sft")
-    flags = {name: m["suspected_reward_hacking"] for name, m in metrics["policies"].items()}
-    # dpo: both up (fine); rlvr: accuracy up, RM down (fine); rlhf: RM up, accuracy down (hacking).
-    assert flags == {"sft": False, "dpo": False, "rlvr": False, "rlhf": True}
-    # Sampling noise is not hacking: one prompt's worth of accuracy lost is inside the margin.
-    metrics["policies"]["rlhf"]["heldout_accuracy"] = 0.40 - 1 / 300
-    flag_reward_hacking(metrics["policies"], "sft", accuracy_drop=0.02)
-    assert not metrics["policies"]["rlhf"]["suspected_reward_hacking"]
+def scores(base: float, step: float = 0.0) -> list[float]:
+    return [base + step * ((i % 7) - 3) for i in range(N)]  # a spread, so scores have a variance
 
 
-def test_report_table_and_chart_show_every_policy_and_the_flag(tmp_path: Path):
-    metrics = sample_metrics()
-    flag_reward_hacking(metrics["policies"], "sft")
+def judged(accuracy_drop: float = 0.0, **policies) -> dict:
+    metrics, samples = sample_metrics(**policies)
+    add_intervals(metrics["policies"], samples, "sft")
+    flag_reward_hacking(metrics["policies"], "sft", accuracy_drop)
+    return metrics
+
+
+def test_every_figure_has_its_interval_and_each_policy_its_paired_difference_from_sft():
+    from scipy.stats import binomtest
+
+    metrics = judged(sft=(outcomes(120), scores(0.1, 0.5)), dpo=(outcomes(165), scores(0.3, 0.5)))
+    sft, dpo = metrics["policies"]["sft"], metrics["policies"]["dpo"]
+    wilson = binomtest(120, N).proportion_ci(0.95, method="wilson")  # SciPy's own Wilson interval
+    assert sft["intervals"]["heldout_accuracy"] == pytest.approx({"low": wilson.low, "high": wilson.high})
+    assert "vs_reference" not in sft
+    vs = dpo["vs_reference"]["heldout_accuracy"]
+    # dpo answers the same 120 prompts right and 45 more: every difference is 0 or +1
+    assert vs["value"] == pytest.approx(45 / N) and 0 < vs["low"] < 45 / N < vs["high"]
+    # paired: well inside what two independent intervals would give a difference
+    widths = [
+        m["intervals"]["heldout_accuracy"]["high"] - m["intervals"]["heldout_accuracy"]["low"]
+        for m in (sft, dpo)
+    ]
+    assert vs["high"] - vs["low"] < 0.6 * math.hypot(*widths)
+    rm = dpo["vs_reference"]["rm_score"]
+    assert rm["value"] == pytest.approx(0.2) and rm["low"] == pytest.approx(
+        rm["high"]
+    )  # the same shift on every prompt
+
+
+def test_reward_hacking_is_flagged_only_when_both_intervals_support_it():
+    # rlhf: RM up and 30 prompts fewer right, the rest the same: the intervals support both.
+    metrics = judged(sft=(outcomes(150), scores(0.1, 0.5)), rlhf=(outcomes(120), scores(0.9, 0.5)))
+    assert metrics["policies"]["rlhf"]["suspected_reward_hacking"]
+    assert not metrics["policies"]["sft"]["suspected_reward_hacking"]
+    # The same 5-point fall as noise: 60 prompts lost, 45 others won. The point estimate falls,
+    # the interval spans zero: no flag (a point rule would have cried wolf).
+    noisy = judged(sft=(outcomes(150), scores(0.1, 0.5)), rlhf=(outcomes(135, first=105), scores(0.9, 0.5)))
+    rlhf = noisy["policies"]["rlhf"]
+    assert rlhf["heldout_accuracy"] < noisy["policies"]["sft"]["heldout_accuracy"]
+    assert rlhf["vs_reference"]["heldout_accuracy"]["high"] > 0 and not rlhf["suspected_reward_hacking"]
+    # RM down is never hacking; a tolerance beyond the fall is not either.
+    assert not judged(sft=(outcomes(150), scores(0.9)), rlhf=(outcomes(120), scores(0.1)))["policies"][
+        "rlhf"
+    ]["suspected_reward_hacking"]
+    assert not judged(0.2, sft=(outcomes(150), scores(0.1)), rlhf=(outcomes(120), scores(0.9)))["policies"][
+        "rlhf"
+    ]["suspected_reward_hacking"]
+
+
+def test_report_table_and_chart_show_every_policy_its_interval_and_the_flag(tmp_path: Path):
+    metrics = judged(
+        sft=(outcomes(120), scores(0.1, 0.5)),
+        dpo=(outcomes(135), scores(0.3, 0.5)),
+        rlvr=(outcomes(180), scores(0.05, 0.5)),
+        rlhf=(outcomes(90), scores(0.9, 0.5)),
+    )
     table = markdown_table(metrics)
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     assert [r.split("`")[1] for r in rows] == ["sft", "dpo", "rlvr", "rlhf"]
+    assert "| accuracy vs `sft` (points) | RM score vs `sft` |" in table
     rlhf = next(r for r in rows if r.startswith("| `rlhf`"))
-    assert "30.0%" in rlhf and "+0.900" in rlhf and "**suspected reward hacking**" in rlhf
+    low, high = (
+        100 * metrics["policies"]["rlhf"]["intervals"]["heldout_accuracy"][k] for k in ("low", "high")
+    )
+    assert f"30.0% [{low:.1f}%, {high:.1f}%]" in rlhf and "**suspected reward hacking**" in rlhf
+    assert "| -10.0 [" in rlhf  # 30 prompts fewer right than sft, in points
     assert "reward hacking" not in next(r for r in rows if r.startswith("| `dpo`"))
+    assert "95% interval" in table
 
     png = comparison_chart(metrics, tmp_path / "comparison.png")
     data = png.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 20_000  # a real multi-panel chart, not an empty canvas
 
 
-def test_benchmark_scores_become_columns_and_a_drop_beyond_max_drop_is_flagged(tmp_path: Path):
-    from alignpipe.measure.benchmarks import regressions
+def test_a_benchmark_regression_is_a_paired_fall_beyond_max_drop_over_the_whole_interval(tmp_path: Path):
+    docs = 64
 
-    metrics = sample_metrics()
-    scores = {"sft": 0.50, "dpo": 0.47, "rlvr": 0.44, "rlhf": 0.20}
-    for name, value in scores.items():
-        metrics["policies"][name]["benchmarks"] = {"heldout_exact": {"exact_match": value}}
-    ref = metrics["policies"]["sft"]["benchmarks"]
-    for m in metrics["policies"].values():
-        m["benchmark_regressions"] = regressions(m["benchmarks"], ref, {"heldout_exact": 0.05})
-    assert [n for n, m in metrics["policies"].items() if m["benchmark_regressions"]] == ["rlvr", "rlhf"]
-    metrics["benchmarks"] = {"results": "results/benchmark", "max_drop": {"heldout_exact": 0.05}}
+    def per_doc(right: int, first: int = 0) -> dict[str, dict[int, dict[str, float]]]:
+        return {"heldout_exact": {i: {"exact_match": float((i - first) % docs < right)} for i in range(docs)}}
+
+    sft = per_doc(48)
+    drops = {"heldout_exact": 0.05}
+    cases = {"dpo": per_doc(46), "rlvr": per_doc(30), "rlhf": per_doc(40, first=20)}
+    found = {}
+    for name, mine in cases.items():
+        vs = benchmark_differences(mine, sft, {"heldout_exact": {"exact_match": 0.0}})
+        found[name] = benchmark_regressions(vs, drops)
+    # dpo: 2 documents lost, within max_drop; rlvr: 18 lost, the whole interval below -0.05;
+    # rlhf: 8 fewer right overall but lost and won on different documents: not supported.
+    assert [n for n, r in found.items() if r] == ["rlvr"]
+    assert found["rlvr"][0].startswith("heldout_exact/exact_match -0.281 [")
+
+    metrics = judged(sft=(outcomes(120), scores(0.1, 0.5)), rlvr=(outcomes(180), scores(0.05, 0.5)))
+    for name, right in (("sft", 48), ("rlvr", 30)):
+        metrics["policies"][name]["benchmarks"] = {"heldout_exact": {"exact_match": right / docs}}
+    metrics["policies"]["rlvr"]["benchmark_regressions"] = found["rlvr"]
+    metrics["benchmarks"] = {"results": "results/benchmark", "max_drop": drops}
     table = markdown_table(metrics)
     assert "| heldout_exact exact_match | flags |" in table
-    rlhf = next(r for r in table.splitlines() if r.startswith("| `rlhf`"))
-    assert (
-        "20.0%" in rlhf and "**benchmark regression**: heldout_exact/exact_match 0.200 < 0.500 - 0.05" in rlhf
-    )
-    assert "regression" not in next(r for r in table.splitlines() if r.startswith("| `dpo`"))
-    png = comparison_chart(metrics, tmp_path / "comparison.png")
-    assert png.read_bytes().startswith(PNG_MAGIC)
+    rlvr = next(r for r in table.splitlines() if r.startswith("| `rlvr`"))
+    assert "46.9%" in rlvr and "**benchmark regression**: heldout_exact/exact_match -0.281" in rlvr
+    assert comparison_chart(metrics, tmp_path / "comparison.png").read_bytes().startswith(PNG_MAGIC)
 
 
 @pytest.mark.slow

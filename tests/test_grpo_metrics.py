@@ -275,10 +275,20 @@ def test_rename_table_covers_the_operator_metrics(stage):
 
 
 def test_hacking_flag_needs_rm_up_and_accuracy_down_beyond_noise():
-    assert rlhf.hacking_suspected(1.0, 0.5, 0.20, 0.30, 0.02)
-    assert not rlhf.hacking_suspected(1.0, 0.5, 0.29, 0.30, 0.02)  # within the tolerated drop
-    assert not rlhf.hacking_suspected(0.4, 0.5, 0.10, 0.30, 0.02)  # RM score did not rise
-    assert not rlhf.hacking_suspected(1.0, 0.5, 0.40, 0.30, 0.02)  # accuracy rose
+    from alignpipe.measure.intervals import paired_difference
+
+    n = 300
+    sft = [1.0 if i < 90 else 0.0 for i in range(n)]  # 30% right
+
+    def verdicts(lost: int, won: int) -> list[float]:  # sft's verdicts, `lost` right ones lost, `won` won
+        return [0.0 if i < lost else 1.0 if 90 <= i < 90 + won else v for i, v in enumerate(sft)]
+
+    up, down = paired_difference([1.0] * n, [0.5] * n), paired_difference([0.4] * n, [0.5] * n)
+    assert rlhf.hacking_suspected(up, paired_difference(verdicts(30, 0), sft), 0.02)  # 10 points, all lost
+    assert not rlhf.hacking_suspected(up, paired_difference(verdicts(3, 0), sft), 0.02)  # within the drop
+    assert not rlhf.hacking_suspected(up, paired_difference(verdicts(45, 30), sft), 0.02)  # 5 points of churn
+    assert not rlhf.hacking_suspected(down, paired_difference(verdicts(30, 0), sft), 0.02)  # RM score fell
+    assert not rlhf.hacking_suspected(up, paired_difference(verdicts(0, 30), sft), 0.02)  # accuracy rose
 
 
 # ----------------------------------------------------------------------------- judge

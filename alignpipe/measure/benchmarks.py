@@ -172,19 +172,6 @@ def read_scores(results_dir: Path) -> dict[str, dict[str, float]]:
     return {t: {m: v for m, v in s.items() if m not in ("samples", "num_fewshot")} for t, s in tasks.items()}
 
 
-def regressions(
-    scores: dict[str, dict[str, float]], reference: dict[str, dict[str, float]], max_drop: dict[str, float]
-) -> list[str]:
-    """Each ``task/metric`` more than the task's ``max_drop`` below the reference policy's score."""
-    out = []
-    for task, drop in max_drop.items():
-        for metric, ref in reference.get(task, {}).items():
-            value = scores.get(task, {}).get(metric)
-            if value is not None and value < ref - drop:
-                out.append(f"{task}/{metric} {value:.3f} < {ref:.3f} - {drop:g}")
-    return out
-
-
 def max_drops(section: dict[str, Any]) -> dict[str, float]:
     """Per task, the largest drop against the reference policy tolerated (tasks without none)."""
     out = {}

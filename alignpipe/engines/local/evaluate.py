@@ -17,8 +17,13 @@ Samples, KL and RM scores that a training stage already measured are reused
 (``heldout_samples.jsonl``, ``heldout_measures.json`` beside the policy): a measure only when it
 names the DVC hash of this stage's reference or reward model.
 
-A policy whose RM score beats the SFT policy's while its accuracy falls below SFT's is
-flagged ``suspected_reward_hacking``: the reward model likes it more, the verifier less.
+Every figure carries its 95% interval (``intervals``), and every policy its paired difference
+from the reference on the same prompts and documents (``vs_reference``,
+``benchmark_vs_reference``; ``alignpipe.measure.intervals``). The flags fire only on
+differences the intervals support: ``suspected_reward_hacking`` when the RM score's difference
+from the SFT policy's is above zero while the accuracy's is below minus
+``alignpipe.reward_hacking.accuracy_drop`` (the whole interval, each); a benchmark regression
+when a task metric's difference is below minus its ``max_drop``.
 
 Outputs (``results/evaluate``): ``metrics.json`` (``{"policies": {name: {...}}}``),
 ``report.md`` (table), ``comparison.png`` (chart), ``samples.jsonl`` (every sample and score).
@@ -29,6 +34,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from alignpipe import config as C
@@ -45,7 +51,7 @@ from alignpipe.engines.local import training
 from alignpipe.engines.local.convert import make_shareable
 from alignpipe.engines.local.publish import write_record
 from alignpipe.errors import ConfigError
-from alignpipe.measure.benchmarks import max_drops, read_scores, regressions
+from alignpipe.measure.benchmarks import max_drops, read_scores
 from alignpipe.measure.heldout import (
     HeldoutSamples,
     drawing_backend,
@@ -59,6 +65,7 @@ from alignpipe.measure.heldout import (
     sampling_backend,
     vllm_engine,
 )
+from alignpipe.measure.intervals import below, mean_interval, paired_difference
 from alignpipe.measure.logprobs import kl_to_reference, load_policy
 from alignpipe.measure.reward_model import RewardModelScorer, hacking_suspected
 
@@ -72,20 +79,46 @@ def same_vocabulary(a, b) -> bool:
 # ----------------------------------------------------------------------------- judgement
 
 
+def add_intervals(policies: dict[str, dict[str, Any]], samples: list[dict], reference: str) -> None:
+    """Per policy, the 95% intervals of held-out accuracy and RM score (``intervals``) and, but for
+    the reference, the paired difference of each from the reference's on the same prompts
+    (``vs_reference``: ``{value, low, high}``)."""
+    per: dict[str, list[dict]] = {name: [] for name in policies}
+    for s in samples:
+        per[s["policy"]].append(s)
+    ref = per[reference]
+    for name, m in policies.items():
+        mine = per[name]
+        if [s["id"] for s in mine] != [s["id"] for s in ref]:
+            raise ValueError(f"evaluate: {name}'s samples are not on {reference}'s prompts, in order")
+        columns = {"heldout_accuracy": "correct", "rm_score": "rm_score"}
+        have = {key: col for key, col in columns.items() if m.get(key) is not None}
+        m["intervals"] = {key: interval_of([s[col] for s in mine]) for key, col in have.items()}
+        if name != reference:
+            m["vs_reference"] = {
+                key: paired_difference([s[col] for s in mine], [s[col] for s in ref])
+                for key, col in have.items()
+            }
+
+
+def interval_of(values: list[float]) -> dict[str, float]:
+    """``{low, high}`` of the mean of ``values`` (the mean itself is the figure's own key)."""
+    found = mean_interval(values)
+    return {"low": found["low"], "high": found["high"]}
+
+
 def flag_reward_hacking(
     policies: dict[str, dict[str, Any]], reference: str, accuracy_drop: float = 0.0
 ) -> None:
-    """RM score above the reference's while verifier accuracy fell by more than ``accuracy_drop``
-    below it: suspected reward hacking (the rlhf stage's own check uses the same rule)."""
-    ref = policies[reference]
+    """Suspected reward hacking: the RM score's paired difference from the reference's is above
+    zero while held-out accuracy's is below ``-accuracy_drop`` (each whole 95% interval), so
+    sampling noise alone does not raise the flag."""
     for name, m in policies.items():
+        vs = m.get("vs_reference") or {}
         m["suspected_reward_hacking"] = bool(
             name != reference
-            and m.get("rm_score") is not None
-            and ref.get("rm_score") is not None
-            and hacking_suspected(
-                m["rm_score"], ref["rm_score"], m["heldout_accuracy"], ref["heldout_accuracy"], accuracy_drop
-            )
+            and "rm_score" in vs
+            and hacking_suspected(vs["rm_score"], vs["heldout_accuracy"], accuracy_drop)
         )
 
 
@@ -97,20 +130,73 @@ def add_benchmarks(ctx: StageContext, policies: dict[str, dict[str, Any]], refer
         return {}
     section = dict(get_path(C.resolve_stage_config(ctx.root, "benchmark", ctx.params, ctx.profile),
                             "alignpipe.benchmark", {}) or {})  # fmt: skip
+    docs = {}
     for name, m in policies.items():
         m["benchmarks"] = read_scores(ctx.root / where / name)
+        docs[name] = doc_scores(ctx.root / where / name)
+        m["benchmark_intervals"] = {
+            task: {
+                metric: interval_of([d[metric] for d in per_doc.values()])
+                for metric in m["benchmarks"].get(task, {})
+            }
+            for task, per_doc in docs[name].items()
+        }
     drops = max_drops(section)
     for name, m in policies.items():
-        m["benchmark_regressions"] = (
-            []
-            if name == reference
-            else regressions(m["benchmarks"], policies[reference]["benchmarks"], drops)
-        )
+        if name == reference:
+            m["benchmark_regressions"] = []
+            continue
+        m["benchmark_vs_reference"] = vs = benchmark_differences(docs[name], docs[reference], m["benchmarks"])
+        m["benchmark_regressions"] = benchmark_regressions(vs, drops)
     return {
         "results": where,
         "max_drop": drops,
         "fail_on_regression": bool(section.get("fail_on_regression")),
     }
+
+
+def doc_scores(results_dir: Path) -> dict[str, dict[int, dict[str, float]]]:
+    """Per task, each document's lm-eval scores (``samples/<task>.jsonl``: ``doc_id`` ->
+    ``{metric: score}``), the per-item values the benchmark's intervals are made of."""
+    out = {}
+    for path in sorted((results_dir / "samples").glob("*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        out[path.stem] = {int(r["doc_id"]): {k: float(v) for k, v in r["scores"].items()} for r in rows}
+    return out
+
+
+def benchmark_differences(
+    mine: dict[str, dict[int, dict[str, float]]],
+    ref: dict[str, dict[int, dict[str, float]]],
+    scores: dict[str, dict[str, float]],
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Per task and metric, the paired difference from the reference on the documents both
+    answered."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for task, per_doc in mine.items():
+        shared = sorted(set(per_doc) & set(ref.get(task, {})))
+        if not shared:
+            continue
+        out[task] = {
+            metric: paired_difference(
+                [per_doc[i][metric] for i in shared], [ref[task][i][metric] for i in shared]
+            )
+            for metric in scores.get(task, {})
+        }
+    return out
+
+
+def benchmark_regressions(
+    differences: dict[str, dict[str, dict[str, float]]], max_drop: dict[str, float]
+) -> list[str]:
+    """Each ``task/metric`` whose paired difference from the reference is below minus the
+    task's ``max_drop`` over its whole 95% interval."""
+    return [
+        f"{task}/{metric} {d['value']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] below -{drop:g}"
+        for task, drop in max_drop.items()
+        for metric, d in differences.get(task, {}).items()
+        if below(d, drop)
+    ]
 
 
 # ----------------------------------------------------------------------------- stage
@@ -293,6 +379,7 @@ def run(ctx: StageContext) -> None:
         )
 
     drop = float(get_path(ctx.config, "alignpipe.reward_hacking.accuracy_drop", 0.0) or 0.0)
+    add_intervals(policies, samples, reference)
     flag_reward_hacking(policies, reference, drop)
     benchmarks = add_benchmarks(ctx, policies, reference)
     regressed = {n: m["benchmark_regressions"] for n, m in policies.items() if m.get("benchmark_regressions")}

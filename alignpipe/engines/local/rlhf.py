@@ -14,8 +14,9 @@ a learned reward without it is an invitation to reward hacking. Besides the shar
 metrics, the stage reports on held-out prompts the reward model's mean score of this
 policy's samples (``heldout/rm_score``) and of the SFT reference's samples drawn with the
 same seed (``heldout/rm_score_reference``), and flags reward hacking
-(``heldout/reward_hacking_suspected``, plus a warning on stderr) when the RM score rose
-while verifier accuracy fell by more than ``alignpipe.reward_hacking.accuracy_drop``.
+(``heldout/reward_hacking_suspected``, plus a warning on stderr) when, paired on the same
+prompts, the RM score rose while verifier accuracy fell by more than
+``alignpipe.reward_hacking.accuracy_drop``, each over its whole 95% interval (evaluate's rule).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from alignpipe.engines.local import grpo
 from alignpipe.engines.local.judge import JudgeConfig, judge_rewards, load_judge
 from alignpipe.errors import ConfigError, UnsupportedSetting
 from alignpipe.measure.heldout import HeldoutSamples, load_scores
+from alignpipe.measure.intervals import paired_difference
 from alignpipe.measure.reward_model import RewardModelScorer, hacking_suspected
 
 REWARD_SOURCES = ("rm", "judge")
@@ -115,16 +117,23 @@ def heldout_rm_metrics(
         "rm_score": sum(pol_scores) / max(1, len(pol_scores)),
         "rm_score_reference": sum(ref_scores) / max(1, len(ref_scores)),
     }
+    from alignpipe.rewards import score_completions
+
     summary = live.summary.setdefault("heldout", {})
     drop = float(get_path(ctx.config, "alignpipe.reward_hacking.accuracy_drop", 0.02))
     acc, acc_ref = summary["accuracy"], summary["accuracy_reference"]
-    hacking = hacking_suspected(out["rm_score"], out["rm_score_reference"], acc, acc_ref, drop)
+    accuracy_vs = paired_difference(
+        score_completions(samples.rows, samples.completions),
+        score_completions(reference.rows, reference.completions),
+    )
+    hacking = hacking_suspected(paired_difference(pol_scores, ref_scores), accuracy_vs, drop)
     out["reward_hacking_suspected"] = 1.0 if hacking else 0.0
     if hacking:
         print(
             f"WARNING: rlhf: reward hacking suspected: held-out reward-model score rose "
             f"({out['rm_score_reference']:.3f} -> {out['rm_score']:.3f}) while verifier accuracy fell "
-            f"({acc_ref:.3f} -> {acc:.3f}, more than {drop:.3f}). Raise loss_fn.reference_policy_kl_penalty, "
+            f"({acc_ref:.3f} -> {acc:.3f}; paired 95% interval [{accuracy_vs['low']:+.3f}, "
+            f"{accuracy_vs['high']:+.3f}], below -{drop:.3f}). Raise loss_fn.reference_policy_kl_penalty, "
             f"lower the learning rate, tighten alignpipe.reward_clip, or improve the reward model's negatives.",
             file=sys.stderr,
         )
