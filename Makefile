@@ -44,8 +44,9 @@ test: venv
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # Everything that neither trains a model (the `slow` marker, which every test using a trained
-# fixture gets) nor starts podman, Slurm or Ray.
-QUICK := not slow and not container and not slurm and not ray
+# fixture gets), nor runs NeMo-RL's runtime code (`upstream`: the equivalence suite's probes),
+# nor starts podman, Slurm or Ray.
+QUICK := not slow and not upstream and not container and not slurm and not ray
 test-quick: venv
 	$(BIN)/python -m pytest $(XDIST) -m "$(QUICK)" $(PYTEST_ARGS)
 

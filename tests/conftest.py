@@ -34,9 +34,12 @@ if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
     os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
 
 
-# Fixtures that train: a test that uses one is `slow` whatever its own marks say, so the quick
-# tier (`make test-quick`: -m "not slow and not container and not slurm and not ray") never trains.
+# Fixtures that train: a test that uses one is `slow` whatever its own marks say; one that runs
+# NeMo-RL's runtime code (a process importing NeMo-RL, often with Ray) is `upstream`. The quick
+# tier (`make test-quick`: -m "not slow and not upstream and not container and not slurm and
+# not ray") runs neither.
 TRAINING_FIXTURES = ("trained_sft", "tiny_pipeline")
+UPSTREAM_FIXTURES = ("nemo_rl_runtime", "dcp_run", "megatron_run")  # the last two: NeMo-RL's checkpointing
 
 
 # `make test` runs the suite on every core (pytest-xdist, --dist loadgroup). Each test module
@@ -49,6 +52,8 @@ def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if any(name in item.fixturenames for name in TRAINING_FIXTURES):
             item.add_marker(pytest.mark.slow)
+        if any(name in item.fixturenames for name in UPSTREAM_FIXTURES):
+            item.add_marker(pytest.mark.upstream)
         module = item.module.__name__.rsplit(".", 1)[-1]
         item.add_marker(pytest.mark.xdist_group("clusters" if module in CLUSTER_MODULES else module))
 
@@ -308,13 +313,76 @@ def tiny_pipeline(tmp_path_factory) -> Reproduced:
 
 VENDORED_NEMO_RL = REPO.parent / "shared" / "vendor" / "nemo-rl-v0.7.0.tar.gz"
 VENDORED_NEMO_RL_SHA256 = "80fb89422d0e2b1c9fc7b88e276e41d522815877bdd41842fdc17d2fdfe56ba6"
+# Where the vendored archive is absent (a clone outside this workplace), the same files come
+# from GitHub's archive of the v0.7.0 commit. The vendored archive is `git archive` of these
+# paths at that commit (../shared/vendor/README.md), so a download is checked file by file
+# against the digest of that tree (``tree_digest``), not against archive bytes.
+NEMO_RL_COMMIT = "81aa43dda4765b0429cf31dab44441e4e4383911"
+NEMO_RL_ARCHIVE_URL = f"https://codeload.github.com/NVIDIA-NeMo/RL/tar.gz/{NEMO_RL_COMMIT}"
+NEMO_RL_PATHS = ("nemo_rl/", "examples/", "docker/", "LICENSE", "pyproject.toml", "uv.lock", "ray.sub",
+                 "tests/unit/test_config_validation.py")  # fmt: skip
+NEMO_RL_TREE_SHA256 = "5154872644b2ed091f757d7fa6fbf7f3c9be21297c0e6a153a45b67b0e7d89e9"
+NEMO_RL_TOP = "nemo-rl-v0.7.0"
+
+
+def tree_digest(top: Path) -> str:
+    """sha256 over every file and link under ``top`` (``<top name>/<path>``, sorted) with the
+    sha256 of its bytes (a link: its target): the same for any archive of the same tree."""
+    import hashlib
+
+    entries = []
+    for path in top.rglob("*"):
+        name = f"{top.name}/{path.relative_to(top).as_posix()}"
+        if path.is_symlink():
+            entries.append((name, "2"))  # tarfile's SYMTYPE, as the pinned digest was taken
+        elif path.is_file():
+            entries.append((name, hashlib.sha256(path.read_bytes()).hexdigest()))
+    h = hashlib.sha256()
+    for name, digest in sorted(entries):
+        h.update(f"{name}\0{digest}\n".encode())
+    return h.hexdigest()
+
+
+def fetch_nemo_rl_source(into: Path, url: str = NEMO_RL_ARCHIVE_URL) -> Path:
+    """Download the v0.7.0 commit's archive from ``url`` and keep ``NEMO_RL_PATHS`` under
+    ``into/nemo-rl-v0.7.0``, checked against ``NEMO_RL_TREE_SHA256``; fails naming what to do."""
+    import tarfile
+    import urllib.request
+
+    archive = into / "download.tar.gz"
+    try:
+        with urllib.request.urlopen(url, timeout=300) as response, archive.open("wb") as out:
+            shutil.copyfileobj(response, out)
+    except OSError as e:
+        raise AssertionError(
+            f"NeMo-RL v0.7.0 source not found and could not be downloaded from {url} ({e}): put the "
+            f"archive at {VENDORED_NEMO_RL}, or point NEMO_RL_SRC at a v0.7.0 checkout "
+            f"(git clone https://github.com/NVIDIA-NeMo/RL && git -C RL checkout {NEMO_RL_COMMIT})"
+        ) from None
+    top = into / NEMO_RL_TOP
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            _, _, rel = member.name.partition("/")  # GitHub's top folder is RL-<commit>
+            if rel and any(rel == p or rel.startswith(p) for p in NEMO_RL_PATHS):
+                member.name = f"{NEMO_RL_TOP}/{rel}"
+                tar.extract(member, into, filter="data")
+    archive.unlink()
+    got = tree_digest(top) if top.is_dir() else "nothing"
+    if got != NEMO_RL_TREE_SHA256:
+        raise AssertionError(
+            f"{url}: the NeMo-RL files it holds digest to {got}, not v0.7.0's {NEMO_RL_TREE_SHA256} "
+            f"(commit {NEMO_RL_COMMIT}); point NEMO_RL_SRC at a v0.7.0 checkout instead"
+        )
+    return top
 
 
 def extract_nemo_rl_source() -> Path:
-    """NeMo-RL v0.7.0's source tree: ``$NEMO_RL_SRC`` if set, else the vendored archive,
-    extracted once into ``~/.cache/alignpipe/upstream/`` (keyed by its sha256).
+    """NeMo-RL v0.7.0's source tree: ``$NEMO_RL_SRC`` if set, else the vendored archive, else
+    the same files downloaded from GitHub (``fetch_nemo_rl_source``; ``$ALIGNPIPE_NEMO_RL_URL``
+    overrides the address), extracted once into ``~/.cache/alignpipe/upstream/``.
 
-    Fails (never skips) when neither is there: CI has the archive at ../shared/vendor/.
+    Fails (never skips) when none can be had, naming how to get it: CI has the archive at
+    ../shared/vendor/.
     """
     import hashlib
     import tarfile
@@ -326,30 +394,35 @@ def extract_nemo_rl_source() -> Path:
         if not (src / "nemo_rl").is_dir() or not (src / "examples").is_dir():
             raise AssertionError(f"NEMO_RL_SRC={given} is not a NeMo-RL checkout (no nemo_rl/ and examples/)")
         return src
-    if not VENDORED_NEMO_RL.is_file():
-        raise AssertionError(
-            f"NeMo-RL v0.7.0 source not found: expected the vendored archive at {VENDORED_NEMO_RL} "
-            "(../shared/vendor/ beside the checkout), or NEMO_RL_SRC pointing at a v0.7.0 checkout"
-        )
-    digest = hashlib.sha256(VENDORED_NEMO_RL.read_bytes()).hexdigest()
-    if digest != VENDORED_NEMO_RL_SHA256:
-        raise AssertionError(
-            f"{VENDORED_NEMO_RL}: sha256 {digest}, expected {VENDORED_NEMO_RL_SHA256} (v0.7.0)"
-        )
+    vendored = VENDORED_NEMO_RL.is_file()
+    if vendored:
+        digest = hashlib.sha256(VENDORED_NEMO_RL.read_bytes()).hexdigest()
+        if digest != VENDORED_NEMO_RL_SHA256:
+            raise AssertionError(
+                f"{VENDORED_NEMO_RL}: sha256 {digest}, expected {VENDORED_NEMO_RL_SHA256} (v0.7.0)"
+            )
     cache = Path(
         os.environ.get("ALIGNPIPE_UPSTREAM_CACHE", Path.home() / ".cache" / "alignpipe" / "upstream")
     )
-    dest = cache / f"nemo-rl-v0.7.0-{digest[:12]}"
-    if not (dest / "nemo-rl-v0.7.0" / "nemo_rl").is_dir():
+    # One cache entry whichever way it came: a download is checked to hold the same files.
+    dest = cache / f"nemo-rl-v0.7.0-{VENDORED_NEMO_RL_SHA256[:12]}"
+    if not (dest / NEMO_RL_TOP / "nemo_rl").is_dir():
         cache.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".extract-"))
-        with tarfile.open(VENDORED_NEMO_RL) as tar:
-            tar.extractall(tmp, filter="data")
+        if vendored:
+            with tarfile.open(VENDORED_NEMO_RL) as tar:
+                tar.extractall(tmp, filter="data")
+        else:
+            try:
+                fetch_nemo_rl_source(tmp, os.environ.get("ALIGNPIPE_NEMO_RL_URL", NEMO_RL_ARCHIVE_URL))
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
         try:
             tmp.rename(dest)  # atomic: a concurrent or interrupted run never sees half a tree
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
-    return dest / "nemo-rl-v0.7.0"
+    return dest / NEMO_RL_TOP
 
 
 @pytest.fixture(scope="session")

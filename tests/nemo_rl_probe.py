@@ -412,16 +412,25 @@ PROBES = {
 NEEDS_RAY = {"rlvr_rewards", "grpo_rollout"}
 
 
+def run(probe: str, payload):
+    """One probe on ``payload``: one input, or ``{"batch": [input, ...]}`` for one result each."""
+    if isinstance(payload, dict) and "batch" in payload:
+        return [PROBES[probe](item) for item in payload["batch"]]
+    return PROBES[probe](payload)
+
+
 def main() -> None:
     """``payload`` is one probe input, or ``{"batch": [input, ...]}`` for one result per input
-    from one process (NeMo-RL's imports and Ray start once)."""
+    from one process (NeMo-RL's imports and Ray start once). Probe ``calls`` runs several
+    probes in that one process: ``{name: [probe, payload]}`` -> ``{name: result}``."""
     import contextlib
     import os
 
     probe, src, dst = sys.argv[1:4]
     payload = torch.load(src, weights_only=False)
+    probes = {name for name, _ in payload.values()} if probe == "calls" else {probe}
     with contextlib.ExitStack() as stack:
-        if probe in NEEDS_RAY:
+        if probes & NEEDS_RAY:
             import ray
 
             os.environ.pop("RAY_ADDRESS", None)
@@ -430,10 +439,10 @@ def main() -> None:
             os.environ["RAY_AUTH_MODE"] = "disabled"
             ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
             stack.callback(ray.shutdown)
-        if isinstance(payload, dict) and "batch" in payload:
-            result = [PROBES[probe](item) for item in payload["batch"]]
+        if probe == "calls":
+            result = {name: run(*call) for name, call in payload.items()}
         else:
-            result = PROBES[probe](payload)
+            result = run(probe, payload)
     torch.save(result, dst)
 
 

@@ -110,15 +110,39 @@ def local_rewards(profile: str, rows: list[dict], completions: list[str], tmp: P
 
 
 @pytest.fixture(scope="module")
-def rlvr_upstream(nemo_rl_runtime, tokenizers, tmp_path_factory) -> dict[str, dict]:
-    """Every profile's rewards from one NeMo-RL process (one Ray)."""
-    tmp = tmp_path_factory.mktemp("rlvr")
+def upstream(nemo_rl_runtime, tokenizers, tmp_path_factory) -> dict[str, object]:
+    """Every probe of this module from one NeMo-RL process (its imports and one Ray, once):
+    rewards (``rlvr``), the RM environment's tokens (``rm``), one GRPO rollout (``rollout``)."""
+    tmp = tmp_path_factory.mktemp("upstream")
     rows, completions = [row for row, _ in ROWS], [c for _, c in ROWS]
-    batch = [
-        {"config": config_with_data("rlvr", p, rows, tmp, tokenizers[p]), "completions": completions}
+    rlvr = [
+        {"config": config_with_data("rlvr", p, rows, tmp / "rlvr", tokenizers[p]), "completions": completions}
         for p in PROFILES
     ]
-    return dict(zip(PROFILES, nemo_rl_runtime("rlvr_rewards", {"batch": batch}), strict=True))
+    rm = [
+        {
+            "config": config_with_data("rlhf", p, RM_ROWS, tmp / "rlhf", tokenizers[p]),
+            "completions": RM_COMPLETIONS,
+        }
+        for p in PROFILES
+    ]
+    rollout = []
+    for p in ROLLOUT_PROFILES:
+        cfg = config_with_data("rlvr", p, ROLLOUT_ROWS, tmp / "rollout", tokenizers[p])
+        group = int(cfg["grpo"]["num_generations_per_prompt"])
+        rollout.append({"config": cfg, "completions": scripted_completions(group)})
+    calls = {
+        "rlvr": ["rlvr_rewards", {"batch": rlvr}],
+        "rm": ["rm_env_tokens", {"batch": rm}],
+        "rollout": ["grpo_rollout", {"batch": rollout}],
+    }
+    return {"batches": {"rlvr": rlvr, "rm": rm, "rollout": rollout}, **nemo_rl_runtime("calls", calls)}
+
+
+@pytest.fixture(scope="module")
+def rlvr_upstream(upstream) -> dict[str, dict]:
+    """Every profile's rewards through NeMo-RL's data path and environment."""
+    return dict(zip(PROFILES, upstream["rlvr"], strict=True))
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -179,13 +203,8 @@ RM_COMPLETIONS = ["The answer is \\boxed{123}.", "5", "2", "5"]
 
 
 @pytest.fixture(scope="module")
-def rm_upstream(nemo_rl_runtime, tokenizers, tmp_path_factory) -> dict[str, list]:
-    tmp = tmp_path_factory.mktemp("rlhf")
-    batch = [
-        {"config": config_with_data("rlhf", p, RM_ROWS, tmp, tokenizers[p]), "completions": RM_COMPLETIONS}
-        for p in PROFILES
-    ]
-    return dict(zip(PROFILES, nemo_rl_runtime("rm_env_tokens", {"batch": batch}), strict=True))
+def rm_upstream(upstream) -> dict[str, list]:
+    return dict(zip(PROFILES, upstream["rm"], strict=True))
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -243,19 +262,12 @@ def scripted_completions(group: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def rollout_upstream(nemo_rl_runtime, tokenizers, tmp_path_factory) -> dict[str, dict]:
-    tmp = tmp_path_factory.mktemp("rollout")
-    batch = []
-    for p in ROLLOUT_PROFILES:
-        cfg = config_with_data("rlvr", p, ROLLOUT_ROWS, tmp, tokenizers[p])
-        batch.append(
-            {
-                "config": cfg,
-                "completions": scripted_completions(int(cfg["grpo"]["num_generations_per_prompt"])),
-            }
-        )
-    results = nemo_rl_runtime("grpo_rollout", {"batch": batch})
-    return {p: {**r, "config": b["config"]} for p, r, b in zip(ROLLOUT_PROFILES, results, batch, strict=True)}
+def rollout_upstream(upstream) -> dict[str, dict]:
+    batch = upstream["batches"]["rollout"]
+    return {
+        p: {**r, "config": b["config"]}
+        for p, r, b in zip(ROLLOUT_PROFILES, upstream["rollout"], batch, strict=True)
+    }
 
 
 @pytest.mark.parametrize("profile", ROLLOUT_PROFILES)

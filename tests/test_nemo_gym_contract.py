@@ -115,6 +115,7 @@ def test_local_math_verifier_agrees_with_gyms_math_with_judge(gym_python):
 ROLLOUT = REPO / "tests" / "nemo_gym_rollout.py"
 
 
+@pytest.mark.upstream  # Gym's servers, started for real: not the quick tier
 def test_rlvr_rollout_through_gyms_real_servers_scores_the_answers(gym_python, rendered, tmp_path):
     """Rows converted by the engine's own code go through Gym's simple_agent -> vllm_model ->
     math_with_judge servers (real subprocesses); only vLLM is a loopback stand-in."""
