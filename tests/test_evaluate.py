@@ -140,6 +140,11 @@ def test_report_table_and_chart_show_every_policy_its_interval_and_the_flag(tmp_
     data = png.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 20_000  # a real multi-panel chart, not an empty canvas
 
+    # All right and all wrong: Wilson's bounds sit on the value (within float rounding)
+    edges = judged(sft=(outcomes(N), scores(0.1, 0.5)), rlvr=(outcomes(0), scores(0.2, 0.5)))
+    assert edges["policies"]["sft"]["intervals"]["heldout_accuracy"]["high"] == pytest.approx(1.0)
+    assert comparison_chart(edges, tmp_path / "edges.png").read_bytes().startswith(PNG_MAGIC)
+
 
 def test_a_benchmark_regression_is_a_paired_fall_beyond_max_drop_over_the_whole_interval(tmp_path: Path):
     docs = 64
