@@ -161,9 +161,7 @@ def comparison_chart(metrics: dict[str, Any], path: Path) -> Path:
         spans = [(i, h, iv) for i, (h, iv) in enumerate(zip(heights, intervals, strict=True)) if iv]
         if spans:
             ax.errorbar([i for i, _, _ in spans], [h for _, h, _ in spans],
-                        # clamped: a bound within float rounding of the value (Wilson's at 100%) is 0
-                        yerr=[[max(0.0, h - iv["low"]) for _, h, iv in spans],
-                              [max(0.0, iv["high"] - h) for _, h, iv in spans]],
+                        yerr=[[h - iv["low"] for _, h, iv in spans], [iv["high"] - h for _, h, iv in spans]],
                         fmt="none", ecolor="black", elinewidth=1, capsize=4)  # fmt: skip
         tops = [max(h, iv["high"]) if iv else h for h, iv in zip(heights, intervals, strict=True)]
         for bar, name, value, top in zip(bars, names, values, tops, strict=True):

@@ -143,6 +143,8 @@ def test_report_table_and_chart_show_every_policy_its_interval_and_the_flag(tmp_
     # All right and all wrong: Wilson's bounds sit on the value (within float rounding)
     edges = judged(sft=(outcomes(N), scores(0.1, 0.5)), rlvr=(outcomes(0), scores(0.2, 0.5)))
     assert edges["policies"]["sft"]["intervals"]["heldout_accuracy"]["high"] == pytest.approx(1.0)
+    assert edges["policies"]["sft"]["intervals"]["heldout_accuracy"]["high"] == 1.0  # exactly, not 1 - 1e-16
+    assert edges["policies"]["rlvr"]["intervals"]["heldout_accuracy"]["low"] == 0.0
     assert comparison_chart(edges, tmp_path / "edges.png").read_bytes().startswith(PNG_MAGIC)
 
 

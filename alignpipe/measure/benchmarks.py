@@ -172,6 +172,18 @@ def read_scores(results_dir: Path) -> dict[str, dict[str, float]]:
     return {t: {m: v for m, v in s.items() if m not in ("samples", "num_fewshot")} for t, s in tasks.items()}
 
 
+def doc_scores(results_dir: Path) -> dict[str, dict[int, dict[str, float]]]:
+    """Per task, each document's lm-eval scores (``samples/<task>.jsonl``: ``doc_id`` ->
+    ``{metric: score}``), the per-item values the benchmark's intervals are made of."""
+    import json
+
+    out = {}
+    for path in sorted((results_dir / "samples").glob("*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        out[path.stem] = {int(r["doc_id"]): {k: float(v) for k, v in r["scores"].items()} for r in rows}
+    return out
+
+
 def max_drops(section: dict[str, Any]) -> dict[str, float]:
     """Per task, the largest drop against the reference policy tolerated (tasks without none)."""
     out = {}

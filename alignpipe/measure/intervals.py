@@ -26,7 +26,10 @@ def wilson(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
     p = successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # At 0 or n the bound is exactly 0 or 1; float rounding would put it a hair inside.
+    low = 0.0 if successes <= 0 else max(0.0, centre - half)
+    high = 1.0 if successes >= n else min(1.0, centre + half)
+    return low, high
 
 
 def _mean_and_error(values: Sequence[float]) -> tuple[float, float]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import importlib.util
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from alignpipe import config as C
@@ -51,7 +50,7 @@ from alignpipe.engines.local import training
 from alignpipe.engines.local.convert import make_shareable
 from alignpipe.engines.local.publish import write_record
 from alignpipe.errors import ConfigError
-from alignpipe.measure.benchmarks import max_drops, read_scores
+from alignpipe.measure.benchmarks import doc_scores, max_drops, read_scores
 from alignpipe.measure.heldout import (
     HeldoutSamples,
     drawing_backend,
@@ -153,16 +152,6 @@ def add_benchmarks(ctx: StageContext, policies: dict[str, dict[str, Any]], refer
         "max_drop": drops,
         "fail_on_regression": bool(section.get("fail_on_regression")),
     }
-
-
-def doc_scores(results_dir: Path) -> dict[str, dict[int, dict[str, float]]]:
-    """Per task, each document's lm-eval scores (``samples/<task>.jsonl``: ``doc_id`` ->
-    ``{metric: score}``), the per-item values the benchmark's intervals are made of."""
-    out = {}
-    for path in sorted((results_dir / "samples").glob("*.jsonl")):
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        out[path.stem] = {int(r["doc_id"]): {k: float(v) for k, v in r["scores"].items()} for r in rows}
-    return out
 
 
 def benchmark_differences(
