@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from alignpipe import settings as S
 from alignpipe.errors import ConfigError
 
 STAGES_DIR = "stages"
@@ -311,7 +313,34 @@ def resolve_stage_config(
         resolved = OmegaConf.to_container(cfg, resolve=True)
     except Exception as e:
         raise ConfigError(f"{src}: interpolation failed after applying params.yaml knobs: {e}") from e
+    # Typed here, so `alignpipe plan` and `alignpipe run` refuse a misspelt or mistyped alignpipe:
+    # setting on every engine before anything runs (the nemo_rl renderer drops the section unread).
+    S.from_config(resolved, setting_origin(root, src, stage, stage_knobs(params, stage)))
     return resolved  # type: ignore[return-value]
+
+
+def profile_files(path: Path) -> list[Path]:
+    """``path`` and every file it inherits with ``defaults:``, in merge order (parents first)."""
+    parents = (yaml.safe_load(path.read_text()) or {}).get("defaults") or []
+    parents = [parents] if isinstance(parents, str) else parents
+    return [f for parent in parents for f in profile_files(path.parent / str(parent))] + [path.resolve()]
+
+
+def setting_origin(root: Path, src: Path, stage: str, knobs: dict[str, Any]) -> Callable[[str], str]:
+    """Where a dotted ``alignpipe.`` key was set, for its error: params.yaml when a knob set it, else
+    the last file of the profile's ``defaults:`` chain that has it (a parent's typo breaks its children)."""
+    missing = object()
+
+    def where(dotted: str) -> str:
+        key = dotted.split("[")[0]  # a list item's key: the list's
+        if get_path(knobs, key, missing) is not missing:
+            return f"{PARAMS_FILE} '{stage}.{key}' (over {src.relative_to(root)})"
+        for path in reversed(profile_files(src)):
+            if get_path(yaml.safe_load(path.read_text()) or {}, key, missing) is not missing:
+                return str(path.relative_to(root.resolve()))
+        return str(src.relative_to(root))
+
+    return where
 
 
 def get_path(cfg: dict[str, Any], dotted: str, default: Any = None) -> Any:

@@ -17,6 +17,7 @@ import yaml
 from alignpipe import config as C
 from alignpipe.artifacts import MANIFEST, dvc_hash
 from alignpipe.errors import ConfigError
+from alignpipe.settings import AlignpipeSettings, from_config
 
 ENGINES = ("local", "nemo_rl")
 # Profiles that run on the local engine (TRL) when runtime.engine is auto: the tiny offline
@@ -223,6 +224,11 @@ class StageContext:
                 if found:
                     return found
         return None
+
+    @functools.cached_property
+    def settings(self) -> AlignpipeSettings:
+        """The profile's ``alignpipe:`` section, typed (checked when the config was resolved)."""
+        return from_config(self.config, f"stages/{self.name}/config/{self.profile}.yaml")
 
     @functools.cached_property
     def system_prompt(self) -> str | None:

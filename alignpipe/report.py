@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from alignpipe.settings import RewardHacking
+
 # (metrics.json key, column/panel title, which direction is better, how to print it)
 COLUMNS = (
     ("heldout_accuracy", "held-out accuracy", "higher", "{:.1%}"),
@@ -106,7 +108,7 @@ def markdown_table(metrics: dict[str, Any]) -> str:
         "- **mean length**: tokens per sample (EOS excluded).",
         f"- **KL to SFT**: mean per-token KL(policy || `{reference}`) on the policy's own samples (k3 estimator).",
         f"- **suspected reward hacking**: the reward-model score's difference from `{reference}`'s is above zero "
-        f"while the accuracy's is more than {metrics.get('reward_hacking_accuracy_drop', 0.0):.0%} below zero, "
+        f"while the accuracy's is more than {metrics.get('reward_hacking_accuracy_drop', RewardHacking().accuracy_drop):.0%} below zero, "
         "each over its whole interval.",
     ]
     if bench:

@@ -9,6 +9,7 @@ give lm-eval's own number.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -219,7 +220,7 @@ def test_the_gpu_invocation_is_what_lm_evals_vllm_backend_and_registry_take(
 ) -> None:
     from lm_eval.tasks import TaskManager
 
-    from alignpipe.engines.local.benchmark import VLLM_KEYS
+    from alignpipe.settings import BenchmarkVllm
 
     out = repo_copy / "plan"
     run_cli(repo_copy, "plan", "benchmark", "--source", "rlhf", "--profile", profile, "--write", str(out))
@@ -234,7 +235,8 @@ def test_the_gpu_invocation_is_what_lm_evals_vllm_backend_and_registry_take(
     named = {a.arg for a in init.args.args + init.args.kwonlyargs}
     # What VLLM does not name goes on to vllm.LLM (``self.model_args.update(kwargs)``).
     assert init.args.kwarg is not None and "self.model_args.update(kwargs)" in ast.unparse(init)
-    assert set(call["model_args"]) - named <= {"gpu_memory_utilization"} and set(VLLM_KEYS) - named <= {
+    settable = {f.name for f in dataclasses.fields(BenchmarkVllm)}  # what alignpipe.benchmark.vllm takes
+    assert set(call["model_args"]) - named <= {"gpu_memory_utilization"} and settable - named <= {
         "gpu_memory_utilization"
     }
     # Every task resolves in lm-eval's registry over the repository's task folder.

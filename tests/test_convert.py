@@ -164,4 +164,8 @@ def test_convert_errors_name_what_is_wrong(repo_copy: Path):
     fake_nemo_rl_checkpoint(repo_copy, "dpo", fmt="hf")
     set_params(repo_copy, {"convert": {"alignpipe": {"export": {"dtype": "int8"}}}})
     result = run_cli(repo_copy, "run", "convert", "--source", "dpo", check=False)
-    assert result.returncode == 2 and "'int8' is not one of" in result.stderr
+    assert result.returncode == 2
+    assert (
+        "params.yaml 'convert.alignpipe.export.dtype' (over stages/convert/config/tiny.yaml): "
+        "'alignpipe.export.dtype' is 'int8'; expected one of float32, bfloat16, float16, null"
+    ) in result.stderr

@@ -497,10 +497,12 @@ def reference_errors(text: str, rel: str, markdown: bool) -> list[str]:
 
 @functools.cache
 def alignpipe_config_keys() -> frozenset[str]:
-    keys = set()
-    for path in REPO.glob("stages/*/config/*.yaml"):
-        keys |= set((yaml.safe_load(path.read_text()) or {}).get("alignpipe") or {})
-    return frozenset(keys)
+    """The sections of the profiles' ``alignpipe:`` settings (tests/test_settings.py checks the keys)."""
+    from dataclasses import fields
+
+    from alignpipe.settings import AlignpipeSettings
+
+    return frozenset(f.name for f in fields(AlignpipeSettings))
 
 
 def module_ref_exists(ref: str) -> bool:

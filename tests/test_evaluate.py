@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -16,9 +18,10 @@ from alignpipe.engines.local.evaluate import (
     flag_reward_hacking,
 )
 from alignpipe.errors import ConfigError
-from alignpipe.measure.heldout import SAMPLES_FILE, heldout_completions, sampling_backend
+from alignpipe.measure.heldout import SAMPLES_FILE, drawn_with, heldout_completions, sampling_key
 from alignpipe.measure.logprobs import load_policy
 from alignpipe.report import comparison_chart, markdown_table
+from alignpipe.settings import Heldout, HeldoutVllm, from_config
 from tests.conftest import run_cli, set_params, writable_copy
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -260,9 +263,8 @@ def test_evaluate_compares_policies_on_shared_samples(trained_sft: Path, tmp_pat
     torch.set_num_threads(sft_config["alignpipe"]["torch_threads"])
     model, tok = load_policy(root / "models/sft")
     rows = [json.loads(line) for line in (root / metrics["heldout"]["data_path"]).read_text().splitlines()]
-    settings = yaml.safe_load((root / "results/evaluate/resolved_config.yaml").read_text())["alignpipe"][
-        "heldout"
-    ]
+    resolved = yaml.safe_load((root / "results/evaluate/resolved_config.yaml").read_text())
+    settings = from_config(resolved, "results/evaluate/resolved_config.yaml").heldout
     assert heldout_completions(model, tok, rows, settings) == [p["completion"] for p in published]
 
     report = (out / "report.md").read_text()
@@ -279,7 +281,6 @@ def test_gpu_evaluate_samples_with_vllm_in_the_image(repo_copy: Path, profile: s
     """On the GPU profiles evaluate runs inside the pinned image through the NeMo-RL engine's
     launcher, GPUs attached, and vLLM draws with the trainers' held-out sampling settings."""
     from alignpipe.context import build_context
-    from alignpipe.measure.generation import VLLM_ENGINE_KEYS
 
     out = repo_copy / "plan"
     run_cli(repo_copy, "plan", "evaluate", "--profile", profile, "--write", str(out))
@@ -287,7 +288,8 @@ def test_gpu_evaluate_samples_with_vllm_in_the_image(repo_copy: Path, profile: s
     assert launch.startswith("docker run --rm --init") and "--gpus all" in launch
     assert launch.endswith(f"alignpipe-nemo-rl:v0.7.0 alignpipe run evaluate --inner --profile {profile}")
     call = json.loads((out / "evaluate.vllm.json").read_text())
-    assert set(call["llm"]) - {"seed"} <= set(VLLM_ENGINE_KEYS) and call["llm"]["tensor_parallel_size"] == 1
+    settable = {f.name for f in dataclasses.fields(HeldoutVllm)}
+    assert set(call["llm"]) - {"seed"} <= settable and call["llm"]["tensor_parallel_size"] == 1
     trainer = build_context(repo_copy, "sft", profile).config["alignpipe"]["heldout"]
     assert call["sampling"] == {k: trainer[k] for k in ("max_new_tokens", "temperature", "top_p", "seed")}
     assert call["policies"] == ["models/sft", "exports/dpo", "exports/rlvr", "exports/rlhf"]
@@ -302,21 +304,22 @@ def test_vllm_sampling_without_a_container_or_with_bad_settings_is_refused(repo_
     )
     result = run_cli(repo_copy, "run", "evaluate", "--inner", check=False)
     assert result.returncode == 2 and "runtime.image must be the pipeline's NeMo-RL image" in result.stderr
-    with pytest.raises(ConfigError, match=r"alignpipe.heldout.vllm: unknown keys \['tp'\]"):
-        sampling_backend({"backend": "vllm", "vllm": {"tp": 2}})
+    with pytest.raises(ConfigError, match=r"'alignpipe.heldout.vllm.tp' is not a setting"):
+        from_config({"alignpipe": {"heldout": {"backend": "vllm", "vllm": {"tp": 2}}}}, "evaluate.yaml")
     assert not (repo_copy / "results" / "evaluate" / "metrics.json").exists()
 
 
 def test_samples_are_keyed_by_the_backend_that_drew_them():
     """vLLM's draws are not transformers' (another RNG): a vLLM evaluate never reuses the samples
     a trainer drew with transformers, while hf keys stay what they were (the committed lock)."""
-    from alignpipe.measure.heldout import sampling_key
-
     rows = [{"id": "a", "prompt": "sort 21"}]
-    settings = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "batch_size": 128, "seed": 1234}
+    settings = Heldout(max_new_tokens=12, temperature=1.0, top_p=1.0, batch_size=128, seed=1234)
     hf = sampling_key(rows, settings)
-    assert sampling_key(rows, {**settings, "backend": "hf"}) == hf
-    assert sampling_key(rows, {**settings, "backend": "vllm"}) != hf
+    # What the committed samples carry: the five sampling settings and the prompt ids, no backend.
+    sampling = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "batch_size": 128, "seed": 1234}
+    assert hf == hashlib.sha256(json.dumps([sampling, ["a"]], sort_keys=True).encode()).hexdigest()[:16]
+    assert sampling_key(rows, drawn_with(settings, "hf")) == hf
+    assert sampling_key(rows, drawn_with(settings, "vllm")) != hf
 
 
 def test_without_vllm_a_vllm_setting_reads_and_draws_with_transformers(trained_sft: Path):

@@ -14,6 +14,7 @@ from alignpipe.engines.local import grpo, judge, rlhf
 from alignpipe.errors import ConfigError, UnsupportedSetting
 from alignpipe.measure.metrics import local_keys
 from alignpipe.rewards.advantages import compute_grpo_advantages
+from alignpipe.settings import Judge, parse
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -178,7 +179,7 @@ def test_rlvr_reward_is_the_verifier_then_shaping():
     out = score(rows, ["4.0", " "], [2, 1], lambda k, v: logged.__setitem__(k, v))
     assert out == [1.0, -0.25]  # correct; empty answer: 0 - 0.5 format penalty, clipped at -0.25
     assert logged["verifier_accuracy"] == 0.5  # the unshaped verifier view
-    with pytest.raises(ValueError, match="unknown reward shaping"):
+    with pytest.raises(ConfigError, match="Did you mean 'alignpipe.reward_shaping.length_penalty'"):
         verifier_score({"lenght_penalty": 1.0})
 
 
@@ -294,8 +295,12 @@ def test_hacking_flag_needs_rm_up_and_accuracy_down_beyond_noise():
 # ----------------------------------------------------------------------------- judge
 
 
+def judge_settings(section: dict) -> Judge:
+    return parse(Judge, section, "stages/rlhf/config/tiny.yaml", "alignpipe.judge")
+
+
 def test_judge_score_mode_builds_prompts_and_parses_grades():
-    cfg = judge.JudgeConfig.from_dict({"mode": "score", "score_max": 10})
+    cfg = judge_settings({"mode": "score", "score_max": 10})
     prompt = judge.build_score_prompt(cfg, "sort:321", "123")
     assert "sort:321" in prompt and "123" in prompt and "10" in prompt
     asked = []
@@ -307,12 +312,12 @@ def test_judge_score_mode_builds_prompts_and_parses_grades():
     rewards, fail = judge.judge_rewards(cfg, fake, ["p"] * 4, ["a", "b", "c", "d"], group_size=4)
     assert rewards == [0.7, 1.0, None, None]  # no number; out of range
     assert fail == 0.5 and len(asked) == 4
-    cfg0 = judge.JudgeConfig.from_dict({"mode": "score", "unparseable": 0.0})
+    cfg0 = judge_settings({"mode": "score", "unparseable": 0.0})
     assert judge.judge_rewards(cfg0, fake, ["p"] * 4, ["a"] * 4, 4)[0][2:] == [0.0, 0.0]
 
 
 def test_judge_pairwise_mode_compares_with_the_group_anchor_in_both_orders():
-    cfg = judge.JudgeConfig.from_dict({"mode": "pairwise"})
+    cfg = judge_settings({"mode": "pairwise"})
     asked = []
 
     def fake(prompts):
@@ -341,9 +346,15 @@ def test_judge_verdict_and_score_parsers():
 
 
 def test_judge_config_errors_name_the_problem():
-    with pytest.raises(ValueError, match="mode"):
-        judge.JudgeConfig.from_dict({"mode": "vote"})
-    with pytest.raises(ValueError, match="lacks"):
-        judge.JudgeConfig.from_dict({"mode": "pairwise", "template": "{prompt} {response}"})
-    with pytest.raises(ValueError, match="unknown option"):
-        judge.JudgeConfig.from_dict({"modle": "x"})
+    with pytest.raises(
+        ConfigError, match="'alignpipe.judge.mode' is 'vote'; expected one of score, pairwise"
+    ):
+        judge_settings({"mode": "vote"})
+    with pytest.raises(
+        ConfigError, match=r"'alignpipe.judge.template' for mode 'pairwise' lacks \{response_a\}"
+    ):
+        judge_settings({"mode": "pairwise", "template": "{prompt} {response}"})
+    with pytest.raises(
+        ConfigError, match="'alignpipe.judge.modle' is not a setting. Did you mean 'alignpipe.judge.mode'"
+    ):
+        judge_settings({"modle": "x"})

@@ -197,15 +197,15 @@ def test_publish_hf_policy(rlvr_run) -> None:
 
     # The held-out samples are published with the policy (evaluate reuses them when its settings
     # match), keyed by what drew them: transformers here, where there is no vLLM.
-    from alignpipe.measure.heldout import SAMPLES_FILE, heldout_rows, heldout_settings, sampling_key
+    from alignpipe.measure.heldout import SAMPLES_FILE, drawn_with, heldout_rows, sampling_key
     from alignpipe.rewards import score_completions
 
-    settings = heldout_settings(ctx)
-    assert settings["backend"] == "vllm"  # the GPU profile's; vLLM draws them in the image
+    settings = ctx.settings.heldout
+    assert settings.backend == "vllm"  # the GPU profile's; vLLM draws them in the image
     rows = heldout_rows(ctx, settings)
     lines = [json.loads(line) for line in (out / SAMPLES_FILE).read_text().splitlines()]
     assert {line["key"] for line in lines} == {
-        sampling_key(rows, {**settings, "backend": "hf"}, ctx.system_prompt)
+        sampling_key(rows, drawn_with(settings, "hf"), ctx.system_prompt)
     }
     scores = score_completions(rows, [line["completion"] for line in lines])
     assert metrics["heldout"]["accuracy"] == pytest.approx(sum(scores) / len(scores))

@@ -2,13 +2,16 @@
 
 import pytest
 
-from alignpipe.rewards import ShapingConfig, format_ok, shape_reward, shape_rewards
+from alignpipe.errors import ConfigError
+from alignpipe.rewards import format_ok, shape_reward, shape_rewards, shaping_config
+from alignpipe.rewards.shaping import is_noop
+from alignpipe.settings import RewardShaping
 
 
 def test_defaults_are_off():
-    cfg = ShapingConfig.from_dict({})
-    assert cfg.is_noop
-    assert ShapingConfig.from_dict(None) == ShapingConfig()
+    cfg = shaping_config({})
+    assert is_noop(cfg)
+    assert shaping_config(None) == RewardShaping()
     for r, c in [(1.0, "42"), (0.0, ""), (1.0, "x" * 10_000), (0.5, "\x00bad")]:
         assert shape_reward(r, c) == r
         assert (
@@ -35,8 +38,8 @@ def test_format_custom_allowed_chars():
     assert shape_reward(1.0, "12358", digits) == 1.0
     assert shape_reward(1.0, "12358.", digits) == 0.0
     assert format_ok("abc", r"a-c") and not format_ok("abcd", r"a-c")
-    with pytest.raises(ValueError, match="allowed_chars"):
-        ShapingConfig.from_dict({"allowed_chars": "z-a"})  # bad range fails at config time
+    with pytest.raises(ConfigError, match="allowed_chars"):
+        shaping_config({"allowed_chars": "z-a"})  # bad range fails at config time
 
 
 def test_length_penalty_chars_and_tokens():
@@ -82,5 +85,5 @@ def test_batch():
     ],
 )
 def test_invalid_configs_raise(bad):
-    with pytest.raises(ValueError):
-        ShapingConfig.from_dict(bad)
+    with pytest.raises(ConfigError):
+        shaping_config(bad)

@@ -14,7 +14,7 @@ from alignpipe.engines.local.sft import sft_examples
 from alignpipe.engines.local.training import preference_examples
 from alignpipe.errors import ConfigError
 from alignpipe.measure.generation import generate
-from alignpipe.measure.heldout import SAMPLES_FILE, heldout_rows, heldout_settings, sampling_key
+from alignpipe.measure.heldout import SAMPLES_FILE, heldout_rows, sampling_args, sampling_key
 from alignpipe.measure.logprobs import load_policy
 from tests.conftest import run_cli, set_params, writable_copy
 
@@ -96,7 +96,7 @@ def test_sft_trains_samples_and_publishes_with_the_system_prompt(trained_sft: Pa
     # The published held-out samples were drawn after the system turn: the same seeded sampling
     # reproduces them with it, and the key says so.
     ctx = build_context(root, "sft")
-    settings = heldout_settings(ctx)
+    settings = ctx.settings.heldout
     rows = heldout_rows(ctx, settings)
     published = [json.loads(line) for line in (sft / SAMPLES_FILE).read_text().splitlines()]
     assert (
@@ -105,13 +105,7 @@ def test_sft_trains_samples_and_publishes_with_the_system_prompt(trained_sft: Pa
         != {sampling_key(rows, settings)}
     )
     model, tok = load_policy(sft)
-    kwargs = {
-        "max_new_tokens": int(settings.get("max_new_tokens", 16)),
-        "temperature": float(settings.get("temperature", 1.0)),
-        "top_p": float(settings.get("top_p", 1.0)),
-        "batch_size": int(settings.get("batch_size", 128)),
-        "seed": int(settings.get("seed", 1234)),
-    }
+    kwargs = {**sampling_args(settings), "batch_size": settings.batch_size}
     prompts = [r["prompt"] for r in rows]
     with_system = generate(model, tok, prompts, system=SYSTEM, **kwargs)
     assert with_system == [p["completion"] for p in published]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from alignpipe.errors import ConfigError
+from alignpipe.settings import Benchmark
 
 TASKS_DIR = Path("stages") / "benchmark" / "tasks"
 # Dataset builders that read local files through dataset_kwargs.data_files.
@@ -75,12 +76,12 @@ def check_data_files(root: Path, path: Path, doc: dict[str, Any]) -> None:
                 )
 
 
-def benchmark_tasks(root: Path, section: dict[str, Any], *, data: bool = True) -> list[BenchmarkTask]:
+def benchmark_tasks(root: Path, settings: Benchmark, *, data: bool = True) -> list[BenchmarkTask]:
     """The configured tasks, each checked: a known name, a readable YAML, existing data files
     (unless ``data`` is false: planning needs no prepared data), and for builtin tasks,
     downloads allowed."""
-    entries = section.get("tasks") or []
-    if not isinstance(entries, list) or not entries:
+    entries = settings.tasks
+    if not entries:
         raise ConfigError(f"{where('tasks')} must be a non-empty list of tasks ({{name: ..., limit: ...}})")
     out = []
     builtin_names: list[str] | None = None
@@ -121,7 +122,7 @@ def benchmark_tasks(root: Path, section: dict[str, Any], *, data: bool = True) -
                     f"{where(f'tasks[{i}]')}: unknown task {name!r}: no {TASKS_DIR / (name + '.yaml')} and no "
                     f"lm-eval builtin task of that name{hint}"
                 )
-            if not section.get("download", False):
+            if not settings.download:
                 raise ConfigError(
                     f"{where(f'tasks[{i}]')}: {name!r} is an lm-eval builtin task, whose data come from the "
                     f"Hugging Face Hub, and downloads are off: set benchmark.alignpipe.benchmark.download=true "
@@ -184,10 +185,10 @@ def doc_scores(results_dir: Path) -> dict[str, dict[int, dict[str, float]]]:
     return out
 
 
-def max_drops(section: dict[str, Any]) -> dict[str, float]:
+def max_drops(tasks: list[str | dict[str, Any]]) -> dict[str, float]:
     """Per task, the largest drop against the reference policy tolerated (tasks without none)."""
     out = {}
-    for entry in section.get("tasks") or []:
+    for entry in tasks:
         if isinstance(entry, dict) and entry.get("max_drop") is not None:
             out[str(entry["name"])] = float(entry["max_drop"])
     return out

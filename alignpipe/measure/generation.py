@@ -92,16 +92,6 @@ def chat_token_ids(tokenizer, prompts: list[Prompt], system: str | None = None) 
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
-# vllm.LLM arguments a profile may set (alignpipe.heldout.vllm); the rest are vLLM's defaults.
-VLLM_ENGINE_KEYS = (
-    "dtype",
-    "tensor_parallel_size",
-    "gpu_memory_utilization",
-    "max_model_len",
-    "enforce_eager",
-)
-
-
 def generate_vllm(
     model_dir: Path | str,
     prompts: list[Prompt],

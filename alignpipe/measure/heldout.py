@@ -11,6 +11,7 @@ hash of the model each was measured against.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterable
@@ -18,50 +19,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from alignpipe.config import get_path
 from alignpipe.context import StageContext, scratch_root
-from alignpipe.errors import ConfigError
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.generation import Prompt, generate, generate_vllm, model_system_prompt
+from alignpipe.settings import Heldout
 
 
-def heldout_settings(ctx: StageContext) -> dict[str, Any]:
-    settings = dict(get_path(ctx.config, "alignpipe.heldout", {}) or {})
-    settings.setdefault("data_path", "data/prepared/rlvr/test.jsonl")
-    return settings
-
-
-def heldout_rows(ctx: StageContext, settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def heldout_rows(ctx: StageContext, settings: Heldout | None = None) -> list[dict[str, Any]]:
     """The held-out prompts: ``data_path``, the first ``limit`` rows when set (a per-profile knob:
     sampling them is most of an RL stage's held-out cost on a real model)."""
-    settings = settings or heldout_settings(ctx)
-    rows = read_jsonl(ctx.root / settings["data_path"])
-    return rows[: int(settings["limit"])] if settings.get("limit") else rows
+    settings = settings or ctx.settings.heldout
+    rows = read_jsonl(ctx.root / settings.data_path)
+    return rows[: settings.limit] if settings.limit else rows
 
 
-# hf: transformers' generate, in the stage's process; vllm: vLLM on the published directory (GPU
-# profiles' evaluate, inside the NeMo-RL image). Same settings, another RNG: other samples.
-BACKENDS = ("hf", "vllm")
-
-
-def sampling_backend(settings: dict[str, Any]) -> str:
-    backend = str(settings.get("backend") or "hf")
-    if backend not in BACKENDS:
-        raise ConfigError(f"alignpipe.heldout.backend is {backend!r}; expected one of {', '.join(BACKENDS)}")
-    if backend == "vllm":
-        vllm_engine(settings)  # refused here, before any launch, not inside the container
-    return backend
-
-
-def drawing_backend(settings: dict[str, Any]) -> str:
+def drawing_backend(settings: Heldout) -> str:
     """What draws a published model's samples here: vLLM when the settings ask for it and it is
     installed (the NeMo-RL image, where evaluate and the nemo_rl engine's check run on GPU
     profiles), else transformers, e.g. the local engine's trainers on a host without vLLM."""
     import importlib.util
 
-    if sampling_backend(settings) == "vllm" and importlib.util.find_spec("vllm") is not None:
+    if settings.backend == "vllm" and importlib.util.find_spec("vllm") is not None:
         return "vllm"
     return "hf"
+
+
+def drawn_with(settings: Heldout, backend: str) -> Heldout:
+    """``settings`` as the backend that actually drew the samples: what their key names."""
+    return dataclasses.replace(settings, backend=backend)
 
 
 SAMPLES_FILE = "heldout_samples.jsonl"
@@ -85,10 +70,10 @@ class HeldoutSamples:
         return [r["prompt"] for r in self.rows]
 
 
-def sampling_key(rows: list[dict[str, Any]], settings: dict[str, Any], system: str | None = None) -> str:
-    sampling = {k: settings.get(k) for k in SAMPLING_KEYS}
-    if sampling_backend(settings) != "hf":  # hf samples keep the key they had before backends
-        sampling["backend"] = sampling_backend(settings)
+def sampling_key(rows: list[dict[str, Any]], settings: Heldout, system: str | None = None) -> str:
+    sampling = {k: getattr(settings, k) for k in SAMPLING_KEYS}
+    if settings.backend != "hf":  # hf samples keep the key they had before backends
+        sampling["backend"] = settings.backend
     ids = [r.get("id") or r["prompt"] for r in rows]
     # Without a system prompt the key is what it was before there could be one.
     parts = [sampling, ids] if system is None else [sampling, ids, system]
@@ -166,10 +151,10 @@ def load_scores(rm_dir: Path | str, policy_hash: str, samples: HeldoutSamples) -
 def published_samples(ctx: StageContext, model_dir: Path | str) -> HeldoutSamples | None:
     """The held-out samples ``model_dir`` carries for this stage's prompts and settings, asked
     with the system prompt that model was trained with; None when it carries none that match."""
-    settings = heldout_settings(ctx)
+    settings = ctx.settings.heldout
     rows = heldout_rows(ctx, settings)
     system = model_system_prompt(model_dir)
-    key = sampling_key(rows, {**settings, "backend": drawing_backend(settings)}, system)
+    key = sampling_key(rows, drawn_with(settings, drawing_backend(settings)), system)
     if (cached := load_samples(Path(model_dir), key, len(rows))) is None:
         return None
     return HeldoutSamples(rows, cached, key, reused=True, system=system)
@@ -183,14 +168,14 @@ def sample_heldout(
     with the system prompt it was trained with; the stage's own policy with the stage's."""
     if model_dir is not None and (held := published_samples(ctx, model_dir)) is not None:
         return held
-    settings = heldout_settings(ctx)
+    settings = ctx.settings.heldout
     rows = heldout_rows(ctx, settings)
     system = model_system_prompt(model_dir) if model_dir is not None else ctx.system_prompt
     if model_dir is not None and drawing_backend(settings) == "vllm":
         completions = vllm_completions(ctx, Path(model_dir), rows, settings, system)
     else:  # the stage's own policy (in memory, not published yet) is sampled with transformers
         completions = heldout_completions(model, tokenizer, rows, settings, system)
-        settings = {**settings, "backend": "hf"}  # what drew them
+        settings = drawn_with(settings, "hf")
     return HeldoutSamples(rows, completions, sampling_key(rows, settings, system), system=system)
 
 
@@ -198,7 +183,7 @@ def vllm_completions(
     ctx: StageContext,
     model_dir: Path,
     rows: list[dict[str, Any]],
-    settings: dict[str, Any],
+    settings: Heldout,
     system: str | None,
 ) -> list[str]:
     """``heldout_completions``' sampling on vLLM, over the model's directory (an adapter's chain
@@ -213,57 +198,35 @@ def vllm_completions(
     )
 
 
-def vllm_engine(settings: dict[str, Any]) -> dict[str, Any]:
-    """``alignpipe.heldout.vllm``: the ``vllm.LLM`` arguments a profile may set."""
-    from alignpipe.measure.generation import VLLM_ENGINE_KEYS
-
-    engine = dict(settings.get("vllm") or {})
-    unknown = sorted(set(engine) - set(VLLM_ENGINE_KEYS))
-    if unknown:
-        raise ConfigError(f"alignpipe.heldout.vllm: unknown keys {unknown}; known: {list(VLLM_ENGINE_KEYS)}")
-    return engine
+def vllm_engine(settings: Heldout) -> dict[str, Any]:
+    """``alignpipe.heldout.vllm``: the ``vllm.LLM`` arguments the profile sets."""
+    return {k: v for k, v in dataclasses.asdict(settings.vllm).items() if v is not None}
 
 
 def heldout_completions(
-    model, tokenizer, rows: list[dict[str, Any]], settings: dict[str, Any], system: str | None = None
+    model, tokenizer, rows: list[dict[str, Any]], settings: Heldout, system: str | None = None
 ) -> list[str]:
     """The seeded samples ``heldout_accuracy`` scores (one per row), from ``alignpipe.heldout`` settings."""
     prompts = [r["prompt"] for r in rows]
-    batch_size = int(settings.get("batch_size", 128))
     return generate(
-        model, tokenizer, prompts, **sampling_args(settings), batch_size=batch_size, system=system
+        model, tokenizer, prompts, **sampling_args(settings), batch_size=settings.batch_size, system=system
     )
 
 
-def sampling_args(settings: dict[str, Any]) -> dict[str, Any]:
-    """The sampling settings both backends draw with (``alignpipe.heldout``, with its defaults)."""
-    return {
-        "max_new_tokens": int(settings.get("max_new_tokens", 16)),
-        "temperature": float(settings.get("temperature", 1.0)),
-        "top_p": float(settings.get("top_p", 1.0)),
-        "seed": int(settings.get("seed", 1234)),
-    }
+def sampling_args(settings: Heldout) -> dict[str, Any]:
+    """The sampling settings both backends draw with (``alignpipe.heldout``)."""
+    return {k: getattr(settings, k) for k in ("max_new_tokens", "temperature", "top_p", "seed")}
 
 
-def heldout_accuracy(
-    model,
-    tokenizer,
-    rows: Iterable[dict[str, Any]],
-    settings: dict[str, Any],
-    completions: list[str] | None = None,
-    system: str | None = None,
-) -> dict[str, float]:
+def heldout_accuracy(tokenizer, rows: Iterable[dict[str, Any]], completions: list[str]) -> dict[str, float]:
     """Verifier accuracy of sampled answers on held-out prompts, overall and per task.
 
-    The one definition every policy stage reports as ``heldout/accuracy``. ``completions``:
-    samples already drawn with ``heldout_completions`` (the evaluate stage reuses them); else
-    they are drawn here, after ``system`` (the model's system prompt) when there is one.
+    The one definition every policy stage reports as ``heldout/accuracy``, of ``completions``
+    drawn with ``heldout_completions`` or on vLLM (one per row).
     """
     from alignpipe.rewards import score_completions
 
     rows = list(rows)
-    if completions is None:
-        completions = heldout_completions(model, tokenizer, rows, settings, system)
     scores = score_completions(rows, completions)
     result = {
         "accuracy": sum(scores) / max(1, len(scores)),
@@ -281,7 +244,7 @@ def heldout_accuracy(
 def log_heldout(live, tokenizer, samples: HeldoutSamples, suffix: str = "") -> dict[str, float]:
     """Held-out accuracy of ``samples`` into ``live.summary["heldout"]`` (a DVCLive ``Live``),
     each name with ``suffix`` (``_reference`` for the SFT reference's)."""
-    result = heldout_accuracy(None, tokenizer, samples.rows, {}, completions=samples.completions)
+    result = heldout_accuracy(tokenizer, samples.rows, samples.completions)
     result = {f"{k}{suffix}": v for k, v in result.items()}
     live.summary.setdefault("heldout", {}).update(result)
     return result

@@ -6,7 +6,7 @@ advantages) are imported lazily.
 """
 
 from alignpipe.rewards import verifiers
-from alignpipe.rewards.shaping import ShapingConfig, format_ok, shape_reward, shape_rewards
+from alignpipe.rewards.shaping import format_ok, shape_reward, shape_rewards, shaping_config
 from alignpipe.rewards.verifiers import *  # noqa: F403 - exactly verifiers.__all__, listed once there
 
-__all__ = ["ShapingConfig", "format_ok", "shape_reward", "shape_rewards", *verifiers.__all__]
+__all__ = ["format_ok", "shape_reward", "shape_rewards", "shaping_config", *verifiers.__all__]

@@ -1,35 +1,27 @@
 """Reward shaping: pure functions on top of verifier scores. Every option defaults to off.
 
-Config (a dict, e.g. a profile's ``alignpipe.reward_shaping`` section)::
-
-    format_penalty: 0.0     # subtracted when the completion is empty/whitespace-only or has a
-                            # character outside `allowed_chars`
-    allowed_chars: null     # regex character class body; null = DEFAULT_ALLOWED_CHARS
-                            # (anything but control characters and U+FFFD)
-    length_penalty: 0.0     # subtracted per unit of length beyond target_length
-    target_length: null     # required when length_penalty > 0
-    length_unit: chars      # "chars" or "tokens" (tokens: pass num_tokens)
-    clip: null              # [lo, hi]: clamp the shaped reward (either may be null)
-
-Order: ``r - format_penalty * bad_format - length_penalty * max(0, length - target)``,
-then clip.
+Config: a profile's ``alignpipe.reward_shaping`` section (``alignpipe.settings.RewardShaping``:
+each option with its default and meaning), or a mapping of the same keys. Order:
+``r - format_penalty * bad_format - length_penalty * max(0, length - target_length)``, then clip.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from alignpipe.settings import RewardShaping, parse
+
 __all__ = [
     "DEFAULT_ALLOWED_CHARS",
-    "ShapingConfig",
     "format_ok",
+    "is_noop",
     "length_excess",
     "shape_reward",
     "shape_rewards",
+    "shaping_config",
 ]
 
 # Printable text: tab/newline/CR, printable ASCII, and everything from U+00A0 up except the
@@ -37,52 +29,16 @@ __all__ = [
 DEFAULT_ALLOWED_CHARS = r"\t\n\r\x20-\x7e\u00a0-\ufffc\ufffe-\U0010ffff"
 
 
-@dataclass(frozen=True)
-class ShapingConfig:
-    format_penalty: float = 0.0
-    allowed_chars: str | None = None
-    length_penalty: float = 0.0
-    target_length: int | None = None
-    length_unit: str = "chars"
-    clip: tuple[float | None, float | None] | None = None
+def shaping_config(config: Mapping[str, Any] | RewardShaping | None) -> RewardShaping:
+    """The settings as given, or a mapping of them checked (an unknown key or a bad value raises
+    ``ConfigError``)."""
+    if isinstance(config, RewardShaping):
+        return config
+    return parse(RewardShaping, config, "reward shaping", "alignpipe.reward_shaping")
 
-    @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any] | ShapingConfig | None) -> ShapingConfig:
-        """Validate a config dict (unknown keys and bad values raise ``ValueError``)."""
-        if isinstance(cfg, ShapingConfig):
-            return cfg
-        cfg = dict(cfg or {})
-        unknown = set(cfg) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(
-                f"unknown reward shaping option(s) {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}"
-            )
-        clip = cfg.get("clip")
-        if clip is not None:
-            if not isinstance(clip, Sequence) or isinstance(clip, str) or len(clip) != 2:
-                raise ValueError(f"clip must be [lo, hi], got {clip!r}")
-            lo, hi = (None if v is None else float(v) for v in clip)
-            if lo is not None and hi is not None and lo > hi:
-                raise ValueError(f"clip lower bound {lo} exceeds upper bound {hi}")
-            cfg["clip"] = (lo, hi)
-        out = cls(**cfg)
-        if out.length_penalty and out.target_length is None:
-            raise ValueError("length_penalty needs target_length")
-        if out.length_unit not in ("chars", "tokens"):
-            raise ValueError(f"length_unit must be 'chars' or 'tokens', got {out.length_unit!r}")
-        if out.format_penalty < 0 or out.length_penalty < 0:
-            raise ValueError("penalties are magnitudes and must be >= 0")
-        try:  # compile now: a bad pattern fails at config time
-            _char_re(out.allowed_chars)
-        except re.error as e:
-            raise ValueError(
-                f"allowed_chars {out.allowed_chars!r} is not a valid character class: {e}"
-            ) from None
-        return out
 
-    @property
-    def is_noop(self) -> bool:
-        return not self.format_penalty and not self.length_penalty and self.clip is None
+def is_noop(cfg: RewardShaping) -> bool:
+    return not cfg.format_penalty and not cfg.length_penalty and cfg.clip is None
 
 
 @lru_cache(maxsize=32)
@@ -107,11 +63,11 @@ def length_excess(length: int, target_length: int | None) -> int:
 def shape_reward(
     reward: float,
     completion: str | None,
-    config: Mapping[str, Any] | ShapingConfig | None = None,
+    config: Mapping[str, Any] | RewardShaping | None = None,
     num_tokens: int | None = None,
 ) -> float:
     """Apply the configured penalties and clipping to one verifier score."""
-    cfg = ShapingConfig.from_dict(config)
+    cfg = shaping_config(config)
     r = float(reward)
     if cfg.format_penalty and not format_ok(completion, cfg.allowed_chars):
         r -= cfg.format_penalty
@@ -135,14 +91,14 @@ def shape_reward(
 def shape_rewards(
     rewards: Sequence[float],
     completions: Sequence[str | None],
-    config: Mapping[str, Any] | ShapingConfig | None = None,
+    config: Mapping[str, Any] | RewardShaping | None = None,
     num_tokens: Sequence[int] | None = None,
 ) -> list[float]:
     """:func:`shape_reward` over a batch (config validated once)."""
     if len(rewards) != len(completions):
         raise ValueError(f"{len(rewards)} rewards but {len(completions)} completions")
-    cfg = ShapingConfig.from_dict(config)
-    if cfg.is_noop:
+    cfg = shaping_config(config)
+    if is_noop(cfg):
         return [float(r) for r in rewards]
     toks = list(num_tokens) if num_tokens is not None else [None] * len(rewards)
     return [shape_reward(r, c, cfg, t) for r, c, t in zip(rewards, completions, toks, strict=True)]

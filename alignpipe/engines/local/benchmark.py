@@ -28,7 +28,6 @@ from typing import Any
 
 from alignpipe import console
 from alignpipe.artifacts import staged_dir, write_json_atomic, write_text_atomic
-from alignpipe.config import get_path
 from alignpipe.context import ImageNeed, StageContext, lift_offline_env
 from alignpipe.engines.local import training
 from alignpipe.engines.local.publish import write_record
@@ -36,14 +35,15 @@ from alignpipe.errors import ConfigError
 from alignpipe.measure.benchmarks import BenchmarkTask, benchmark_tasks, score_names, where
 from alignpipe.measure.generation import model_system_prompt
 from alignpipe.measure.logprobs import load_policy
+from alignpipe.settings import Benchmark
 
 
-def check_harness(section: dict[str, Any]) -> str:
+def check_harness(settings: Benchmark) -> str:
     """The installed lm-eval must be the one the config names: its version is part of every score."""
     from importlib.metadata import version
 
     installed = version("lm-eval")
-    wanted = str(section.get("lm_eval_version") or "")
+    wanted = settings.lm_eval_version or ""
     if installed != wanted:
         raise ConfigError(
             f"{where('lm_eval_version')} is {wanted or None}, but lm-eval {installed} is installed; "
@@ -61,57 +61,38 @@ def check_chat_template(tasks: list[BenchmarkTask], tokenizer, policy_dir: Path)
         )
 
 
-BACKENDS = ("hf", "vllm")
-# lm-eval's VLLM arguments a profile may set (alignpipe.benchmark.vllm); gpu_memory_utilization
-# is handed on to vllm.LLM. tests/test_benchmark.py checks them against lm-eval's own class.
-VLLM_KEYS = ("dtype", "tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "max_model_len",
-             "max_gen_toks")  # fmt: skip
-
-
-def backend_of(section: dict[str, Any]) -> str:
-    backend = str(section.get("backend", "hf"))
-    if backend not in BACKENDS:
-        raise ConfigError(f"{where('backend')} is {backend!r}; expected one of {', '.join(BACKENDS)}")
-    return backend
-
-
-def vllm_model_args(section: dict[str, Any], policy_dir: Path, seed: int) -> dict[str, Any]:
-    """lm-eval's ``VLLM(**model_args)`` for the policy: the profile's settings, seeded."""
-    settings = dict(section.get("vllm") or {})
-    unknown = sorted(set(settings) - set(VLLM_KEYS))
-    if unknown:
-        raise ConfigError(f"{where('vllm')}: unknown keys {unknown}; known: {list(VLLM_KEYS)}")
+def vllm_model_args(settings: Benchmark, policy_dir: Path, seed: int) -> dict[str, Any]:
+    """lm-eval's ``VLLM(**model_args)`` for the policy: the profile's ``vllm`` settings (those
+    lm-eval's class takes; tests/test_benchmark.py checks), seeded."""
     return {
         "pretrained": str(policy_dir),
         "seed": seed,
-        **{k: v for k, v in settings.items() if v is not None},
+        **{k: v for k, v in asdict(settings.vllm).items() if v is not None},
     }
 
 
-def make_lm(backend: str, section: dict[str, Any], policy_dir: Path, seed: int):
+def make_lm(settings: Benchmark, policy_dir: Path, seed: int):
     """The lm-eval model: HFLM on the loaded policy (CPU), or VLLM on its directory (GPU)."""
-    if backend == "vllm":
+    if settings.backend == "vllm":
         from lm_eval.models.vllm_causallms import VLLM
 
-        return VLLM(**vllm_model_args(section, policy_dir, seed), batch_size="auto")
+        return VLLM(**vllm_model_args(settings, policy_dir, seed), batch_size="auto")
     from lm_eval.models.huggingface import HFLM
 
     model, tokenizer = load_policy(policy_dir)
-    return HFLM(
-        pretrained=model, tokenizer=tokenizer, batch_size=int(section.get("batch_size", 32)), device="cpu"
-    )
+    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, device="cpu")
 
 
 def plan(ctx: StageContext) -> dict[str, str]:
     """``alignpipe plan benchmark --source X``: the config and the lm-eval call."""
 
-    section = dict(get_path(ctx.config, "alignpipe.benchmark", {}) or {})
-    backend = backend_of(section)
+    settings = ctx.settings.benchmark
+    backend = settings.backend
     policy_dir = ctx.input("policy")
     call = {
         "model": backend,
-        "model_args": vllm_model_args(section, policy_dir, ctx.seed) if backend == "vllm" else {"pretrained": str(policy_dir)},
-        "tasks": [{**asdict(t), "yaml": str(t.yaml) if t.yaml else None} for t in benchmark_tasks(ctx.root, section, data=False)],
+        "model_args": vllm_model_args(settings, policy_dir, ctx.seed) if backend == "vllm" else {"pretrained": str(policy_dir)},
+        "tasks": [{**asdict(t), "yaml": str(t.yaml) if t.yaml else None} for t in benchmark_tasks(ctx.root, settings, data=False)],
     }  # fmt: skip
     label = f"{ctx.name}@{ctx.source}"
     files = {
@@ -123,8 +104,7 @@ def plan(ctx: StageContext) -> dict[str, str]:
 
 def needs_image(ctx: StageContext) -> ImageNeed | None:
     """lm-eval's vllm backend runs where vLLM is: on a host without it, in the NeMo-RL image."""
-    section = dict(get_path(ctx.config, "alignpipe.benchmark", {}) or {})
-    if backend_of(section) == "vllm" and importlib.util.find_spec("vllm") is None:
+    if ctx.settings.benchmark.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         return ImageNeed(
             f"{where('backend')} is vllm",
             "vLLM",
@@ -154,11 +134,10 @@ def sample_lines(records: list[dict[str, Any]]) -> str:
 def run(ctx: StageContext) -> None:
     import torch
 
-    section = dict(get_path(ctx.config, "alignpipe.benchmark", {}) or {})
-    backend = backend_of(section)
-    harness = check_harness(section)
-    tasks = benchmark_tasks(ctx.root, section)
-    if section.get("download") and any(t.builtin for t in tasks):
+    settings = ctx.settings.benchmark
+    harness = check_harness(settings)
+    tasks = benchmark_tasks(ctx.root, settings)
+    if settings.download and any(t.builtin for t in tasks):
         lift_offline_env()  # builtin tasks read their data from the Hub
         print("benchmark: download=true: lm-eval's builtin tasks may fetch data from the Hugging Face Hub")
     policy_dir = ctx.input("policy")
@@ -170,7 +149,7 @@ def run(ctx: StageContext) -> None:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    lm = make_lm(backend, section, policy_dir, int(ctx.seed))
+    lm = make_lm(settings, policy_dir, int(ctx.seed))
     local_dirs = sorted({str(t.yaml.parent) for t in tasks if not t.builtin})
     manager = TaskManager(include_path=local_dirs or None, include_defaults=any(t.builtin for t in tasks))
     system = model_system_prompt(policy_dir)
@@ -195,7 +174,7 @@ def run(ctx: StageContext) -> None:
             flush=True,
         )
 
-    metrics = {"policy": ctx.source, "path": str(policy_dir.relative_to(ctx.root)), "lm_eval": harness, "backend": backend,
+    metrics = {"policy": ctx.source, "path": str(policy_dir.relative_to(ctx.root)), "lm_eval": harness, "backend": settings.backend,
                "system_prompt": system is not None, "tasks": scores}  # fmt: skip
     with staged_dir(ctx.output("results")) as out_dir:
         write_json_atomic(out_dir / "metrics.json", metrics)

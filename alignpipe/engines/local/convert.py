@@ -28,6 +28,7 @@ within ``alignpipe.export.verify.logits_atol``. A failed check publishes nothing
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import shutil
 import subprocess
@@ -43,7 +44,6 @@ from alignpipe.artifacts import (
     staged_dir,
     write_text_atomic,
 )
-from alignpipe.config import get_path
 from alignpipe.context import ImageNeed, StageContext
 from alignpipe.data.schema import transcript
 from alignpipe.engines.local import training
@@ -52,12 +52,12 @@ from alignpipe.errors import AlignpipeError, ConfigError
 from alignpipe.measure.generation import Prompt
 from alignpipe.measure.heldout import MEASURES_FILE, SAMPLES_FILE
 from alignpipe.measure.logprobs import LOCAL_DTYPE
+from alignpipe.settings import ExportVerify
 
 HF_FORMATS = ("hf", "hf_consolidated", "peft")
 # artifact.json format -> NeMo-RL checkpoint format (alignpipe.engines.nemo_rl.convert). The
 # nemo_rl engine publishes Megatron runs as a step_N copy with format "megatron_bridge".
 NEMO_RL_FORMATS = {"dcp": "dcp", "megatron": "megatron", "megatron_bridge": "megatron"}
-DTYPES = ("float32", "bfloat16", "float16")
 TRAINING_CONFIG = "training_config.yaml"
 
 
@@ -109,9 +109,7 @@ def nemo_rl_converter_argv(ctx: StageContext, ckpt: Path, fmt: str, out: Path) -
     from alignpipe.engines.nemo_rl.convert import converter_argv
 
     nemo_rl_dir = str(ctx.runtime.get("nemo_rl_dir", "/opt/nemo-rl"))
-    argv = converter_argv(
-        ckpt, fmt, out, hf_model_name=get_path(ctx.config, "alignpipe.converter.hf_model_name")
-    )
+    argv = converter_argv(ckpt, fmt, out, hf_model_name=ctx.settings.converter.hf_model_name)
     # Absolute script path: the launcher's working directory is the repository.
     return [a if not a.startswith("examples/converters/") else f"{nemo_rl_dir}/{a}" for a in argv]
 
@@ -155,18 +153,14 @@ def generation_config(model, tokenizer, overrides: dict[str, Any]):
 def cast(model, dtype: str | None):
     import torch
 
-    if dtype is None:
-        return model
-    if dtype not in DTYPES:
-        raise ConfigError(f"alignpipe.export.dtype '{dtype}' is not one of null, {', '.join(DTYPES)}")
-    return model.to(getattr(torch, dtype))
+    return model if dtype is None else model.to(getattr(torch, dtype))
 
 
 def verify_export(
     export_dir: Path,
     source_model,
     prompts: list[Prompt],
-    settings: dict[str, Any],
+    settings: ExportVerify,
     cast_to: str | None,
     system: str | None = None,
     merged: bool = False,
@@ -183,7 +177,7 @@ def verify_export(
     model = AutoModelForCausalLM.from_pretrained(export_dir, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(export_dir, local_files_only=True)
     model.eval()
-    max_new = int(settings.get("max_new_tokens", 12))
+    max_new = settings.max_new_tokens
     texts = generate(model, tokenizer, prompts, max_new_tokens=max_new, temperature=0.0, system=system)
     source_texts = generate(
         source_model, tokenizer, prompts, max_new_tokens=max_new, temperature=0.0, system=system
@@ -217,7 +211,7 @@ def verify_export(
     if mask.any() and not bool(torch.isfinite(got[mask]).all()):
         raise ExportVerificationError(f"{export_dir}: the export produces non-finite logits")
     key = "merged_logits_atol" if merged else "logits_atol"
-    atol = float(settings.get(key, 1e-3 if merged else 1e-4))
+    atol = getattr(settings, key)
     if cast_to is None and diff > atol:
         raise ExportVerificationError(
             f"{export_dir}: logits differ from the source checkpoint by up to {diff:.3g} "
@@ -226,15 +220,15 @@ def verify_export(
     return result
 
 
-def verification_prompts(ctx: StageContext, settings: dict[str, Any]) -> list[str]:
+def verification_prompts(ctx: StageContext, settings: ExportVerify) -> list[str]:
     from alignpipe.jsonl import read_jsonl
 
-    path = ctx.root / settings.get("data_path", "data/prepared/rlvr/test.jsonl")
+    path = ctx.root / settings.data_path
     if not path.is_file():
         raise ConfigError(
             f"{path} is missing: the export is verified on held-out prompts (run `dvc repro prep`)"
         )
-    rows = read_jsonl(path)[: int(settings.get("prompts", 8))]
+    rows = read_jsonl(path)[: settings.prompts]
     return [r["prompt"] for r in rows]
 
 
@@ -402,7 +396,7 @@ def plan(ctx: StageContext) -> dict[str, str]:
             f"{src}/{MANIFEST} does not exist yet: its `format` picks the converter at run time "
             f"(hf: none; dcp/megatron: NeMo-RL's converter in the container)"
         )
-    dtype = get_path(ctx.config, "alignpipe.export.dtype")
+    dtype = ctx.settings.export.dtype
     lines.append(f"dtype: {dtype or 'unchanged'}; verify: reload offline, greedy generate, compare logits")
     return {
         f"convert@{ctx.source}.config.yaml": ctx.resolved_config_yaml(),
@@ -415,17 +409,11 @@ def run(ctx: StageContext) -> None:
     from transformers import AutoTokenizer
 
     training.apply_torch_threads(ctx)  # tiny: 1 thread (benchmarks/RESULTS.md)
-    export = dict(get_path(ctx.config, "alignpipe.export", {}) or {})
-    dtype = export.get("dtype")
-    if dtype is not None and dtype not in DTYPES:
-        raise ConfigError(
-            f"alignpipe.export.dtype '{dtype}' is not one of null, {', '.join(DTYPES)} "
-            f"(stages/convert/config/{ctx.profile}.yaml or params.yaml convert.alignpipe.export.dtype)"
-        )
-    verify = dict(export.get("verify") or {})
+    export = ctx.settings.export
+    dtype = export.dtype
     manifest = source_manifest(ctx)
     source_hash = ctx.content_hash(ctx.input("checkpoint"))
-    prompts = verification_prompts(ctx, verify)
+    prompts = verification_prompts(ctx, export.verify)
 
     workdir = ctx.scratch_dir
     shutil.rmtree(workdir, ignore_errors=True)
@@ -452,7 +440,9 @@ def run(ctx: StageContext) -> None:
     final_dtype = str(exported.dtype).removeprefix("torch.")
 
     with staged_dir(ctx.output("export")) as out:
-        exported.generation_config = generation_config(exported, tokenizer, export.get("generation") or {})
+        # The overrides the profile sets; the model's own generation_config.json keeps the rest.
+        overrides = {k: v for k, v in dataclasses.asdict(export.generation).items() if v is not None}
+        exported.generation_config = generation_config(exported, tokenizer, overrides)
         exported.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
         training_cfg = ctx.input("checkpoint") / RESOLVED_CONFIG
@@ -464,9 +454,11 @@ def run(ctx: StageContext) -> None:
                 if (ctx.input("checkpoint") / name).is_file():
                     shutil.copyfile(ctx.input("checkpoint") / name, out / name)
         # verified below: the source ``model`` is exactly this adapter unmerged on its base
-        adapter = export_adapter(chain, ctx.root, out) if export.get("adapter", True) else None
+        adapter = export_adapter(chain, ctx.root, out) if export.adapter else None
         system = manifest.get("system_prompt")
-        verification = verify_export(out, model, prompts, verify, cast_to, system, merged=len(chain) > 1)
+        verification = verify_export(
+            out, model, prompts, export.verify, cast_to, system, merged=len(chain) > 1
+        )
         write_text_atomic(
             out / "README.md", model_card(ctx, manifest, source_hash, verification, final_dtype, adapter)
         )

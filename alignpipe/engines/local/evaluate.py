@@ -43,7 +43,6 @@ from alignpipe.artifacts import (
     write_json_atomic,
     write_text_atomic,
 )
-from alignpipe.config import get_path
 from alignpipe.context import ImageNeed, StageContext
 from alignpipe.data.schema import transcript
 from alignpipe.engines.local import training
@@ -56,17 +55,16 @@ from alignpipe.measure.heldout import (
     drawing_backend,
     heldout_accuracy,
     heldout_rows,
-    heldout_settings,
     load_measures,
     load_scores,
     sample_heldout,
     sampling_args,
-    sampling_backend,
     vllm_engine,
 )
 from alignpipe.measure.intervals import below, mean_interval, paired_difference
 from alignpipe.measure.logprobs import kl_to_reference, load_policy
 from alignpipe.measure.reward_model import RewardModelScorer, hacking_suspected
+from alignpipe.settings import Heldout, from_config
 
 METRIC_KEYS = ("heldout_accuracy", "rm_score", "mean_length", "kl_to_sft")
 
@@ -106,9 +104,7 @@ def interval_of(values: list[float]) -> dict[str, float]:
     return {"low": found["low"], "high": found["high"]}
 
 
-def flag_reward_hacking(
-    policies: dict[str, dict[str, Any]], reference: str, accuracy_drop: float = 0.0
-) -> None:
+def flag_reward_hacking(policies: dict[str, dict[str, Any]], reference: str, accuracy_drop: float) -> None:
     """Suspected reward hacking: the RM score's paired difference from the reference's is above
     zero while held-out accuracy's is below ``-accuracy_drop`` (each whole 95% interval), so
     sampling noise alone does not raise the flag."""
@@ -124,11 +120,12 @@ def flag_reward_hacking(
 def add_benchmarks(ctx: StageContext, policies: dict[str, dict[str, Any]], reference: str) -> dict[str, Any]:
     """Each policy's lm-eval scores (the benchmark stage's results), and per policy the tasks
     that fell more than their ``max_drop`` below the reference: ``benchmark_regressions``."""
-    where = get_path(ctx.config, "alignpipe.evaluate.benchmarks", None)
+    where = ctx.settings.evaluate.benchmarks
     if not where:
         return {}
-    section = dict(get_path(C.resolve_stage_config(ctx.root, "benchmark", ctx.params, ctx.profile),
-                            "alignpipe.benchmark", {}) or {})  # fmt: skip
+    # The tasks and their max_drop are the benchmark stage's settings.
+    benchmark_config = C.resolve_stage_config(ctx.root, "benchmark", ctx.params, ctx.profile)
+    section = from_config(benchmark_config, f"stages/benchmark/config/{ctx.profile}.yaml").benchmark
     docs = {}
     for name, m in policies.items():
         m["benchmarks"] = read_scores(ctx.root / where / name)
@@ -140,7 +137,7 @@ def add_benchmarks(ctx: StageContext, policies: dict[str, dict[str, Any]], refer
             }
             for task, per_doc in docs[name].items()
         }
-    drops = max_drops(section)
+    drops = max_drops(section.tasks)
     for name, m in policies.items():
         if name == reference:
             m["benchmark_regressions"] = []
@@ -150,7 +147,7 @@ def add_benchmarks(ctx: StageContext, policies: dict[str, dict[str, Any]], refer
     return {
         "results": where,
         "max_drop": drops,
-        "fail_on_regression": bool(section.get("fail_on_regression")),
+        "fail_on_regression": section.fail_on_regression,
     }
 
 
@@ -205,7 +202,7 @@ class Judges:
 
 
 def measure_policy(
-    name, model, tok, judges: Judges, held: HeldoutSamples, settings, known: dict[str, dict]
+    name, model, tok, judges: Judges, held: HeldoutSamples, settings: Heldout, known: dict[str, dict]
 ) -> tuple[dict[str, Any], list[dict]]:
     """One policy's metrics on its own seeded samples, and the samples with their scores.
 
@@ -215,7 +212,7 @@ def measure_policy(
     from alignpipe.rewards import score_completions
 
     rows, prompts, completions = held.rows, held.prompts, held.completions
-    acc = heldout_accuracy(model, tok, rows, settings, completions=completions)
+    acc = heldout_accuracy(tok, rows, completions)
     kl, scores = known.get("kl_to_reference", {}), known.get("rm_score", {})
     if judges.scorer is None:
         scores = None
@@ -228,8 +225,9 @@ def measure_policy(
     elif kl.get("model") == judges.reference_hash:
         kl, judges.reused = kl["value"], judges.reused + 1
     else:
-        max_new = int(settings.get("max_new_tokens", 16))
-        kl = kl_to_reference(model, judges.reference_model, tok, prompts, completions, max_new, held.system)
+        kl = kl_to_reference(
+            model, judges.reference_model, tok, prompts, completions, settings.max_new_tokens, held.system
+        )
     metrics = {
         "heldout_accuracy": acc["accuracy"],
         "rm_score": sum(scores) / len(scores) if scores else None,
@@ -278,12 +276,12 @@ def plan(ctx: StageContext) -> dict[str, str]:
     """``alignpipe plan evaluate``: the config; with ``heldout.backend: vllm`` (GPU profiles),
     ``evaluate.vllm.json``: the sampling each policy gets inside the NeMo-RL image
     (``needs_image``). The launch is alignpipe.cli.plan_files'."""
-    settings = heldout_settings(ctx)
+    settings = ctx.settings.heldout
     files = {f"{ctx.name}.config.yaml": ctx.resolved_config_yaml()}
-    if sampling_backend(settings) == "vllm" and ctx.nemo_rl_launcher not in (None, "process"):
+    if settings.backend == "vllm" and ctx.nemo_rl_launcher not in (None, "process"):
         sampling = sampling_args(settings)
-        policies = [e["path"] for e in get_path(ctx.config, "alignpipe.evaluate.policies", [])]
-        call = {"llm": {**vllm_engine(settings), "seed": settings.get("seed")},
+        policies = [p.path for p in ctx.settings.evaluate.policies]
+        call = {"llm": {**vllm_engine(settings), "seed": settings.seed},
                 "sampling": sampling, "policies": policies}  # fmt: skip
         files[f"{ctx.name}.vllm.json"] = json.dumps(call, indent=2) + "\n"
     return files
@@ -291,7 +289,7 @@ def plan(ctx: StageContext) -> dict[str, str]:
 
 def needs_image(ctx: StageContext) -> ImageNeed | None:
     """Sampling with vLLM runs where vLLM is: on a host without it, in the NeMo-RL image."""
-    if sampling_backend(heldout_settings(ctx)) == "vllm" and importlib.util.find_spec("vllm") is None:
+    if ctx.settings.heldout.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         return ImageNeed(
             "alignpipe.heldout.backend is vllm",
             "vLLM",
@@ -303,13 +301,13 @@ def needs_image(ctx: StageContext) -> ImageNeed | None:
 def run(ctx: StageContext) -> None:
     import torch
 
-    settings = heldout_settings(ctx)
+    settings = ctx.settings.heldout
     on_vllm = drawing_backend(settings) == "vllm"  # vLLM is here whenever it was asked for
     training.apply_torch_threads(ctx)  # tiny: 1 thread (benchmarks/RESULTS.md)
-    ev = dict(get_path(ctx.config, "alignpipe.evaluate", {}) or {})
-    entries = ev.get("policies") or []
-    names = [e["name"] for e in entries]
-    reference = ev.get("reference", "sft")
+    ev = ctx.settings.evaluate
+    entries = ev.policies
+    names = [e.name for e in entries]
+    reference = ev.reference
     if reference not in names:
         raise ConfigError(f"alignpipe.evaluate.reference '{reference}' is not one of the policies {names}")
     rows = heldout_rows(ctx, settings)
@@ -317,16 +315,14 @@ def run(ctx: StageContext) -> None:
 
     # vLLM draws every policy's samples first, one engine at a time (each takes most of the GPU
     # while it lives); only then are models loaded to measure them.
-    drawn = {
-        e["name"]: sample_heldout(ctx, None, None, model_dir=ctx.root / e["path"]) for e in entries if on_vllm
-    }
+    drawn = {e.name: sample_heldout(ctx, None, None, model_dir=ctx.root / e.path) for e in entries if on_vllm}
     # In the image on a GPU host (heldout.backend vllm) KL and RM scores run on the GPU, in
     # float32 as on CPU: the reference, one policy and the reward model are resident at once.
     device = "cuda" if on_vllm and torch.cuda.is_available() else "cpu"
-    ref_path = ctx.root / next(e["path"] for e in entries if e["name"] == reference)
+    ref_path = ctx.root / next(e.path for e in entries if e.name == reference)
     ref_model, ref_tok = load_policy(ref_path)
     ref_model.to(device)
-    rm_path = ev.get("reward_model")
+    rm_path = ev.reward_model
     scorer = RewardModelScorer.load(ctx.root / rm_path) if rm_path else None
     if scorer is not None:
         scorer.model.to(device)
@@ -342,17 +338,17 @@ def run(ctx: StageContext) -> None:
     samples: list[dict[str, Any]] = []
     reused = 0
     for entry in entries:
-        name = entry["name"]
-        model, tok = (ref_model, ref_tok) if name == reference else load_policy(ctx.root / entry["path"])
+        name = entry.name
+        model, tok = (ref_model, ref_tok) if name == reference else load_policy(ctx.root / entry.path)
         model.to(device)
         if not same_vocabulary(tok, ref_tok):
             raise ConfigError(
-                f"{entry['path']}: its tokenizer differs from the reference '{reference}' policy's; "
+                f"{entry.path}: its tokenizer differs from the reference '{reference}' policy's; "
                 "kl_to_sft needs the same vocabulary"
             )
         # The samples the training stage drew and published with the model, when they match.
-        held = drawn.get(name) or sample_heldout(ctx, model, tok, model_dir=ctx.root / entry["path"])
-        known = load_measures(ctx.root / entry["path"], held) if held.reused else {}
+        held = drawn.get(name) or sample_heldout(ctx, model, tok, model_dir=ctx.root / entry.path)
+        known = load_measures(ctx.root / entry.path, held) if held.reused else {}
         if name == reference and rm_path:
             # The rm stage scored the reference's samples when it published the reward model.
             scores = load_scores(ctx.root / rm_path, judges.reference_hash, held)
@@ -360,14 +356,14 @@ def run(ctx: StageContext) -> None:
                 known = {**known, "rm_score": {"model": judges.scorer_hash, "scores": scores}}
         measured, policy_samples = measure_policy(name, model, tok, judges, held, settings, known)
         reused += held.reused
-        policies[name] = {"path": entry["path"], **measured}
+        policies[name] = {"path": entry.path, **measured}
         samples += policy_samples
         print(
             f"evaluate: {name}: "
             + ", ".join(f"{k}={measured[k]:.4g}" for k in METRIC_KEYS if measured[k] is not None)
         )
 
-    drop = float(get_path(ctx.config, "alignpipe.reward_hacking.accuracy_drop", 0.0) or 0.0)
+    drop = ctx.settings.reward_hacking.accuracy_drop
     add_intervals(policies, samples, reference)
     flag_reward_hacking(policies, reference, drop)
     benchmarks = add_benchmarks(ctx, policies, reference)
@@ -381,11 +377,11 @@ def run(ctx: StageContext) -> None:
         "policies": policies,
         "reference": reference,
         "heldout": {
-            "data_path": settings["data_path"],
+            "data_path": settings.data_path,
             "prompts": len(rows),
-            "seed": int(settings.get("seed", 1234)),
-            "temperature": float(settings.get("temperature", 1.0)),
-            "max_new_tokens": int(settings.get("max_new_tokens", 16)),
+            "seed": settings.seed,
+            "temperature": settings.temperature,
+            "max_new_tokens": settings.max_new_tokens,
         },
         "reward_model": rm_path,
         "reward_hacking_accuracy_drop": drop,

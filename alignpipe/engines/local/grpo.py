@@ -31,7 +31,6 @@ from alignpipe.errors import ConfigError, NoLearningSignal, UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.generation import prompt_messages
 from alignpipe.measure.heldout import (
-    heldout_settings,
     log_heldout,
     measures_file,
     sample_heldout,
@@ -464,7 +463,7 @@ def run_grpo(
     args = GRPOConfig(**grpo_args(ctx, ctx.scratch_dir))
     reward_fn.guard = ZeroRewardGuard(
         ctx.name,
-        int(get_path(cfg, "alignpipe.zero_reward_batches", 0) or 0),
+        ctx.settings.zero_reward_batches,
         int(get_path(cfg, "policy.generation.max_new_tokens", 16)),
     )
     live = live_log.open_live(ctx)
@@ -497,7 +496,7 @@ def run_grpo(
     ref_samples = sample_heldout(ctx, reference, tokenizer, model_dir=policy_path)
     heldout = log_heldout(live, tokenizer, samples)
     ref = log_heldout(live, tokenizer, ref_samples, suffix="_reference")
-    max_new = int(heldout_settings(ctx).get("max_new_tokens", 16))
+    max_new = ctx.settings.heldout.max_new_tokens
     kl = kl_to_reference(
         policy, reference, tokenizer, samples.prompts, samples.completions, max_new, samples.system
     )

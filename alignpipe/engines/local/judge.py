@@ -1,6 +1,6 @@
 """Generative judge: a causal LM asked, with a prompt template, to grade or compare answers.
 
-Two modes (``alignpipe.judge.mode``):
+Settings: ``alignpipe.judge`` (``alignpipe.settings.Judge``). Two modes (``mode``):
 
 * ``score``: the template shows one prompt and response and asks for a grade; the first
   number in the judge's reply, if within ``[0, score_max]``, gives the reward
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+
+from alignpipe.settings import Judge
 
 SCORE_TEMPLATE = (
     "Grade the answer to the task from 0 (wrong) to {score_max} (correct). Reply with the grade only.\n"
@@ -35,50 +35,16 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _VERDICT = re.compile(r"(?<![A-Za-z])([AB])(?![A-Za-z])")
 
 
-@dataclass(frozen=True)
-class JudgeConfig:
-    model_name: str = "models/sft"
-    mode: str = "score"
-    template: str | None = None
-    score_max: float = 10.0
-    max_new_tokens: int = 4
-    batch_size: int = 64
-    unparseable: float | None = None
-
-    @classmethod
-    def from_dict(cls, cfg: dict[str, Any] | None) -> JudgeConfig:
-        cfg = dict(cfg or {})
-        unknown = set(cfg) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(
-                f"alignpipe.judge: unknown option(s) {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}"
-            )
-        out = cls(**cfg)
-        if out.mode not in ("score", "pairwise"):
-            raise ValueError(f"alignpipe.judge.mode must be 'score' or 'pairwise', got {out.mode!r}")
-        if out.score_max <= 0:
-            raise ValueError("alignpipe.judge.score_max must be > 0")
-        needed = (
-            ("{prompt}", "{response}")
-            if out.mode == "score"
-            else ("{prompt}", "{response_a}", "{response_b}")
-        )
-        missing = [p for p in needed if p not in out.prompt_template]
-        if missing:
-            raise ValueError(f"alignpipe.judge.template for mode {out.mode!r} lacks {', '.join(missing)}")
-        return out
-
-    @property
-    def prompt_template(self) -> str:
-        return self.template or (SCORE_TEMPLATE if self.mode == "score" else PAIRWISE_TEMPLATE)
+def prompt_template(cfg: Judge) -> str:
+    return cfg.template or (SCORE_TEMPLATE if cfg.mode == "score" else PAIRWISE_TEMPLATE)
 
 
-def build_score_prompt(cfg: JudgeConfig, prompt: str, response: str) -> str:
-    return cfg.prompt_template.format(prompt=prompt, response=response, score_max=_fmt(cfg.score_max))
+def build_score_prompt(cfg: Judge, prompt: str, response: str) -> str:
+    return prompt_template(cfg).format(prompt=prompt, response=response, score_max=_fmt(cfg.score_max))
 
 
-def build_pairwise_prompt(cfg: JudgeConfig, prompt: str, response_a: str, response_b: str) -> str:
-    return cfg.prompt_template.format(prompt=prompt, response_a=response_a, response_b=response_b)
+def build_pairwise_prompt(cfg: Judge, prompt: str, response_a: str, response_b: str) -> str:
+    return prompt_template(cfg).format(prompt=prompt, response_a=response_a, response_b=response_b)
 
 
 def parse_score(reply: str, score_max: float) -> float | None:
@@ -106,7 +72,7 @@ Generate = Callable[[list[str]], list[str]]
 
 
 def judge_rewards(
-    cfg: JudgeConfig, generate: Generate, prompts: list[str], responses: list[str], group_size: int
+    cfg: Judge, generate: Generate, prompts: list[str], responses: list[str], group_size: int
 ) -> tuple[list[float | None], float]:
     """Rewards for ``responses`` (groups of ``group_size`` contiguous), and the unparseable fraction.
 
@@ -143,7 +109,7 @@ def judge_rewards(
     return rewards, fails / max(1, len(verdicts))
 
 
-def load_judge(cfg: JudgeConfig, resolve: Callable[[str], str]) -> Generate:
+def load_judge(cfg: Judge, resolve: Callable[[str], str]) -> Generate:
     """A greedy generator over the judge model (chat-formatted user turn, like every stage)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

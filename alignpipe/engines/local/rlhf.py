@@ -23,22 +23,20 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
 
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.data.schema import transcript
 from alignpipe.engines.local import grpo
-from alignpipe.engines.local.judge import JudgeConfig, judge_rewards, load_judge
+from alignpipe.engines.local.judge import judge_rewards, load_judge
 from alignpipe.errors import ConfigError, UnsupportedSetting
 from alignpipe.measure.heldout import HeldoutSamples, load_scores
 from alignpipe.measure.intervals import paired_difference
 from alignpipe.measure.reward_model import RewardModelScorer, hacking_suspected
+from alignpipe.settings import Judge
 
-REWARD_SOURCES = ("rm", "judge")
 
-
-def clip(value: float, bounds: Any) -> float:
+def clip(value: float, bounds: list[float | None] | None) -> float:
     """Clamp to ``[lo, hi]``; ``bounds`` null or either bound null means unbounded on that side."""
     if not bounds:
         return value
@@ -51,28 +49,18 @@ def clip(value: float, bounds: Any) -> float:
 
 
 def check_settings(ctx: StageContext) -> str:
-    cfg = ctx.config
-    source = get_path(cfg, "alignpipe.reward_source", "rm")
-    if source not in REWARD_SOURCES:
-        raise ConfigError(
-            f"alignpipe.reward_source is {source!r} in stages/rlhf/config/{ctx.profile}.yaml; "
-            f"choose one of {', '.join(REWARD_SOURCES)}"
-        )
-    bounds = get_path(cfg, "alignpipe.reward_clip")
-    if bounds is not None and (not isinstance(bounds, list | tuple) or len(bounds) != 2):
-        raise ConfigError(f"alignpipe.reward_clip must be [lo, hi] (either may be null), got {bounds!r}")
-    if bounds and None not in bounds and float(bounds[0]) > float(bounds[1]):
-        raise ConfigError(f"alignpipe.reward_clip lower bound exceeds the upper: {bounds!r}")
-    beta = float(get_path(cfg, "loss_fn.reference_policy_kl_penalty", 0.0) or 0.0)
+    """The reward source; refuses a learned reward without a KL anchor (``reward_source`` and
+    ``reward_clip`` were checked with the profile, ``alignpipe.settings``)."""
+    beta = float(get_path(ctx.config, "loss_fn.reference_policy_kl_penalty", 0.0) or 0.0)
     if beta <= 0:
         raise UnsupportedSetting(
             "rlhf needs loss_fn.reference_policy_kl_penalty > 0: a learned reward without a KL anchor "
             "to the SFT policy gets exploited (set e.g. 0.05 in params.yaml rlhf.loss_fn)"
         )
-    return source
+    return ctx.settings.reward_source
 
 
-def rm_score_fn(scorer: RewardModelScorer, bounds: Any) -> Callable[..., list[float]]:
+def rm_score_fn(scorer: RewardModelScorer, bounds: list[float | None] | None) -> Callable[..., list[float]]:
     from alignpipe.rewards import score_completions
 
     def score(rows: list[dict], texts: list[str], num_tokens: list[int], log_metric) -> list[float]:
@@ -87,7 +75,7 @@ def rm_score_fn(scorer: RewardModelScorer, bounds: Any) -> Callable[..., list[fl
     return score
 
 
-def judge_score_fn(judge_cfg: JudgeConfig, generate, group_size: int) -> Callable[..., list[float | None]]:
+def judge_score_fn(judge_cfg: Judge, generate, group_size: int) -> Callable[..., list[float | None]]:
     def score(rows: list[dict], texts: list[str], num_tokens: list[int], log_metric) -> list[float | None]:
         prompts = [transcript(r["prompt"]) for r in rows]
         rewards, fail = judge_rewards(judge_cfg, generate, prompts, texts, group_size)
@@ -120,7 +108,7 @@ def heldout_rm_metrics(
     from alignpipe.rewards import score_completions
 
     summary = live.summary.setdefault("heldout", {})
-    drop = float(get_path(ctx.config, "alignpipe.reward_hacking.accuracy_drop", 0.02))
+    drop = ctx.settings.reward_hacking.accuracy_drop
     acc, acc_ref = summary["accuracy"], summary["accuracy_reference"]
     accuracy_vs = paired_difference(
         score_completions(samples.rows, samples.completions),
@@ -151,13 +139,10 @@ def run(ctx: StageContext) -> None:
     scaling = get_path(cfg, "grpo.reward_scaling")
     if source == "rm":
         reward = grpo.RewardFn(
-            rm_score_fn(scorer, get_path(cfg, "alignpipe.reward_clip")), name="reward_model", scaling=scaling
+            rm_score_fn(scorer, ctx.settings.reward_clip), name="reward_model", scaling=scaling
         )
     else:
-        try:
-            judge_cfg = JudgeConfig.from_dict(get_path(cfg, "alignpipe.judge"))
-        except ValueError as e:
-            raise ConfigError(f"stages/rlhf/config/{ctx.profile}.yaml: {e}") from e
+        judge_cfg = ctx.settings.judge
 
         def resolve(name: str) -> str:
             path = ctx.root / name

@@ -7,20 +7,21 @@ penalties, clipping) is applied on top. Training and metrics: ``grpo.run_grpo``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import grpo
+from alignpipe.settings import RewardShaping
 
 
-def verifier_score(shaping: dict[str, Any] | None) -> Callable[..., list[float]]:
+def verifier_score(shaping: RewardShaping | Mapping[str, Any] | None) -> Callable[..., list[float]]:
     """Verifier scores, shaped; logs the unshaped accuracy so shaping never hides it."""
     from alignpipe.rewards import score_completions
-    from alignpipe.rewards.shaping import ShapingConfig, shape_rewards
+    from alignpipe.rewards.shaping import shape_rewards, shaping_config
 
-    cfg = ShapingConfig.from_dict(shaping)  # a bad section fails here, before any training
+    cfg = shaping_config(shaping)  # a bad mapping fails here, before any training
 
     def score(rows: list[dict], texts: list[str], num_tokens: list[int], log_metric) -> list[float]:
         scores = score_completions(rows, texts)
@@ -31,8 +32,9 @@ def verifier_score(shaping: dict[str, Any] | None) -> Callable[..., list[float]]
 
 
 def run(ctx: StageContext) -> None:
-    shaping = get_path(ctx.config, "alignpipe.reward_shaping")
     reward = grpo.RewardFn(
-        verifier_score(shaping), name="verifier", scaling=get_path(ctx.config, "grpo.reward_scaling")
+        verifier_score(ctx.settings.reward_shaping),
+        name="verifier",
+        scaling=get_path(ctx.config, "grpo.reward_scaling"),
     )
     grpo.run_grpo(ctx, reward)

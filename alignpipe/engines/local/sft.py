@@ -83,7 +83,7 @@ def run(ctx: StageContext) -> None:
         ctx, get_path(cfg, "policy.tokenizer.name", cfg["policy"]["model_name"])
     )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    import_from = get_path(cfg, "alignpipe.import_checkpoint")
+    import_from = ctx.settings.import_checkpoint
 
     live = live_log.open_live(ctx)
     if import_from and adapter:

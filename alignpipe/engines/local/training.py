@@ -194,11 +194,11 @@ def apply_torch_threads(ctx: StageContext) -> None:
     OpenMP workers sleep (``context.CPU_ENV``), so a second thread no longer costs a busy
     machine the 2-10x that spinning did.
     """
-    threads = get_path(ctx.config, "alignpipe.torch_threads")
+    threads = ctx.settings.torch_threads
     if threads:
         import torch
 
-        torch.set_num_threads(int(threads))
+        torch.set_num_threads(threads)
 
 
 def step_budget(ctx: StageContext, algo: str, num_examples: int) -> int:

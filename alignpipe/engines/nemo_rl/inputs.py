@@ -133,9 +133,7 @@ def key_megatron_conversion(ctx, cfg: dict[str, Any], paths: RunPaths) -> None:
 def write_gym_data(ctx, cfg: dict[str, Any], paths: RunPaths) -> None:
     from alignpipe.engines.nemo_rl.nemo_gym_data import agent_ref, convert_file
 
-    ref = agent_ref(
-        get_path(ctx.config, "alignpipe.nemo_gym.default_agent_ref", "responses_api_agents/simple_agent")
-    )
+    ref = agent_ref(ctx.settings.nemo_gym.default_agent_ref)
     for split in ("train", "validation"):
         src = get_path(ctx.config, f"data.{split}.data_path")
         if not src:

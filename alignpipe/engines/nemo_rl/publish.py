@@ -136,12 +136,11 @@ def heldout_for(ctx, model_dir: Path) -> dict[str, float] | None:
     engine's one definition. ``heldout.backend: vllm`` (the GPU profiles) draws the samples with
     vLLM, which the image has; else transformers does. The samples are published beside the
     weights (``heldout_samples.jsonl``), so evaluate reuses them when its settings match."""
-    settings = dict(get_path(ctx.config, "alignpipe.heldout", {}) or {})
-    if ctx.name not in POLICY_STAGES or not settings.get("enabled", False):
+    settings = ctx.settings.heldout
+    if ctx.name not in POLICY_STAGES or not settings.enabled:
         return None
     from alignpipe.measure import heldout as H
 
-    settings = H.heldout_settings(ctx)
     rows = H.heldout_rows(ctx, settings)
     system = ctx.system_prompt
     if H.drawing_backend(settings) == "vllm":
@@ -156,11 +155,11 @@ def heldout_for(ctx, model_dir: Path) -> dict[str, float] | None:
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         completions = H.heldout_completions(model, tokenizer, rows, settings, system)
-        settings = {**settings, "backend": "hf"}  # what drew them
+        settings = H.drawn_with(settings, "hf")
     held = H.HeldoutSamples(rows, completions, H.sampling_key(rows, settings, system), system=system)
     for name, text in H.samples_file(held).items():
         write_text_atomic(model_dir / name, text)
-    return H.heldout_accuracy(None, tokenizer, rows, settings, completions=completions)
+    return H.heldout_accuracy(tokenizer, rows, completions)
 
 
 def adapter_record(ctx, out: Path) -> dict[str, Any]:

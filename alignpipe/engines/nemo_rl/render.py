@@ -27,6 +27,7 @@ import yaml
 from alignpipe.adapters import wildcard_match
 from alignpipe.config import get_path
 from alignpipe.errors import ConfigError
+from alignpipe.settings import from_config
 
 # Entry scripts (relative to the NeMo-RL checkout, /opt/nemo-rl in the image).
 RUN_GRPO = "examples/run_grpo.py"
@@ -97,15 +98,16 @@ def dropped_training_knobs(stage: str, cfg: dict[str, Any]) -> list[str]:
     honour: ``alignpipe:`` knobs rendering drops, and the system prompt file, which its SFT and
     preference processors never read (only the GRPO ones do). One line each, with what to do."""
     problems = []
-    shaping = get_path(cfg, "alignpipe.reward_shaping") or {}
-    active = {k: shaping[k] for k in _SHAPING_ACTIVE if shaping.get(k) not in (None, 0, 0.0)}
+    settings = from_config(cfg, f"stage '{stage}' profile")
+    shaping = settings.reward_shaping
+    active = {k: getattr(shaping, k) for k in _SHAPING_ACTIVE if getattr(shaping, k) not in (None, 0, 0.0)}
     if active:
         problems.append(
             f"alignpipe.reward_shaping {active} shapes rewards on the local engine only; NeMo-RL's own are "
             "grpo.reward_shaping (DAPO overlong length penalty) and grpo.reward_scaling (clamp and linear "
             "map): use those, or set these options to 0/null"
         )
-    clip = get_path(cfg, "alignpipe.reward_clip")
+    clip = settings.reward_clip
     if stage == "rlhf" and clip and any(bound is not None for bound in clip):
         problems.append(
             f"alignpipe.reward_clip={list(clip)} clips reward-model scores on the local engine only; NeMo-RL's "
