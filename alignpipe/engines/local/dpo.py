@@ -297,6 +297,9 @@ def run(ctx: StageContext) -> None:
     )
     if adapter:
         lora.prepare(ctx, trainer.model, adapter, policy_dir, int(get_path(cfg, "dpo.seed", ctx.seed)))
+    training.length_sorted_micro_batches(
+        trainer, lambda row: len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"]))
+    )
     model = training.train_then_validate(ctx, trainer, live, METRICS, validation, "dpo", bool(val_pairs))
 
     samples = sample_heldout(ctx, model, tokenizer)

@@ -178,6 +178,10 @@ def run(ctx: StageContext) -> None:
         processing_class=tokenizer,
         callbacks=[live_log.make_live_callback(live, METRICS), validation],
     )
+    # A pair is scored as two rows padded together: its longer answer sets its width.
+    training.length_sorted_micro_batches(
+        trainer, lambda row: max(len(row["chosen_ids"]), len(row["rejected_ids"]))
+    )
     model = training.train_then_validate(ctx, trainer, live, METRICS, validation, "rm", bool(val_pairs))
 
     extra = {"reward_model_type": "bradley_terry"}

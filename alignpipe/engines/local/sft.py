@@ -130,6 +130,7 @@ def run(ctx: StageContext) -> None:
         )
         if adapter:
             lora.prepare(ctx, trainer.model, adapter, model_path, int(get_path(cfg, "sft.seed", ctx.seed)))
+        training.length_sorted_micro_batches(trainer, lambda row: len(row["input_ids"]))
         training.train_resumable(ctx, trainer, live, METRICS)
         if val is not None and get_path(cfg, "sft.val_at_end", True):
             live_log.log_to_live(live, METRICS, trainer.evaluate(), trainer.state.global_step)
