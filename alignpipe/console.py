@@ -23,6 +23,9 @@ QUIET_ENV = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
     "TRANSFORMERS_VERBOSITY": "error",
+    # Every other tqdm bar (lm-eval's request loops): tqdm reads it once, on its first import,
+    # which torch does; the stage's own bar (``progress_callback``) asks for itself explicitly.
+    "TQDM_DISABLE": "1",
 }
 # When stderr is no terminal (CI logs, `dvc repro > log`), the bar is one line this often,
 # and at least once this many seconds when steps are slow.
@@ -132,6 +135,7 @@ def progress_callback(
                     unit="step",
                     ncols=size.columns,
                     nrows=size.lines,
+                    disable=False,  # over QUIET_ENV's TQDM_DISABLE
                 )
 
         def on_step_end(self, args, state, control, **kwargs):

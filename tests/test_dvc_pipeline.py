@@ -336,6 +336,17 @@ def test_the_pipeline_reproduces_its_lock_and_an_rlhf_experiment_reruns_only_its
     assert shown["results/rlhf/metrics.json"]["data"]["step"] < steps  # the experiment's shorter rlhf
 
 
+def test_the_pipelines_console_is_each_stages_header_progress_and_outcome(tiny_pipeline) -> None:
+    """`dvc repro`'s console holds no third-party progress bar (lm-eval's request loops, dataset
+    maps, weight loading): each stage prints its header, its own progress lines and one outcome."""
+    bars = [line for line in tiny_pipeline.log.splitlines() if re.search(r"\d+%\|", line)]
+    assert not bars, "third-party progress bars on the console:\n" + "\n".join(b[:160] for b in bars[:5])
+    for stage in tiny_pipeline.ran:
+        assert re.search(rf"^{re.escape(stage)}: .* -> ", tiny_pipeline.log, re.M), (
+            f"{stage}: no outcome line"
+        )
+
+
 @pytest.mark.slow
 def test_a_launcher_or_renderer_edit_reruns_no_tiny_stage_and_a_trainer_edit_its_stage(
     tiny_pipeline, tmp_path: Path

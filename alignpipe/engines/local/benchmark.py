@@ -71,16 +71,36 @@ def vllm_model_args(settings: Benchmark, policy_dir: Path, seed: int) -> dict[st
     }
 
 
+def without_bars(lm_class: type) -> type:
+    """``lm_class`` with its request loops' progress bars off: lm-eval asks tqdm for them with
+    an explicit ``disable``, over ``TQDM_DISABLE``; the stage prints one line per task instead."""
+
+    class Quiet(lm_class):
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return super().loglikelihood(requests, disable_tqdm=True)
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            return super().loglikelihood_rolling(requests, disable_tqdm=True)
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            return super().generate_until(requests, disable_tqdm=True)
+
+    Quiet.__name__ = Quiet.__qualname__ = lm_class.__name__
+    return Quiet
+
+
 def make_lm(settings: Benchmark, policy_dir: Path, seed: int):
     """The lm-eval model: HFLM on the loaded policy (CPU), or VLLM on its directory (GPU)."""
     if settings.backend == "vllm":
         from lm_eval.models.vllm_causallms import VLLM
 
-        return VLLM(**vllm_model_args(settings, policy_dir, seed), batch_size="auto")
+        return without_bars(VLLM)(**vllm_model_args(settings, policy_dir, seed), batch_size="auto")
     from lm_eval.models.huggingface import HFLM
 
     model, tokenizer = load_policy(policy_dir)
-    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, device="cpu")
+    return without_bars(HFLM)(
+        pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, device="cpu"
+    )
 
 
 def plan(ctx: StageContext) -> dict[str, str]:
