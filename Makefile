@@ -24,7 +24,8 @@ PYTEST_ARGS ?=
 # keeps one core busy (imports, small tensors), so on 2 cores two workers took 42 min where
 # one process took 61 (benchmarks/RESULTS.md). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= auto
-XDIST := -n $(TEST_WORKERS) --dist loadgroup
+# Workers take whole groups in the order tests/conftest.py's schedule_order gives (longest first).
+XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 .PHONY: venv repro test test-quick lint clean-scratch
 

@@ -48,14 +48,59 @@ UPSTREAM_FIXTURES = ("nemo_rl_runtime", "dcp_run", "megatron_run")  # the last t
 CLUSTER_MODULES = ("test_slurm", "test_ray", "test_ray_auth")
 
 
+# First: pytest-xdist's own hook turns the xdist_group marks into the node ids' `@group` suffix that
+# `--dist loadgroup` schedules by, and -m deselects by the marks added here. Run after them, the
+# groups were ignored: each test was scheduled alone, and both workers built a module's fixtures.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items) -> None:
+    groups: dict[str, list] = {}
     for item in items:
         if any(name in item.fixturenames for name in TRAINING_FIXTURES):
             item.add_marker(pytest.mark.slow)
         if any(name in item.fixturenames for name in UPSTREAM_FIXTURES):
             item.add_marker(pytest.mark.upstream)
         module = item.module.__name__.rsplit(".", 1)[-1]
-        item.add_marker(pytest.mark.xdist_group("clusters" if module in CLUSTER_MODULES else module))
+        group = "clusters" if module in CLUSTER_MODULES else module
+        item.add_marker(pytest.mark.xdist_group(group))
+        groups.setdefault(group, []).append(item)
+    items[:] = [item for group in schedule_order(groups) for item in groups[group]]
+
+
+def pytest_configure(config) -> None:
+    """Refuse `--dist loadgroup` where pytest-xdist cannot see the groups: pytest 9.2's structured
+    node ids drop the ``@group`` suffix xdist 3.8 schedules by (pytest-dev/pytest-xdist#1386). The
+    run would pass, slowly: every test scheduled alone, each module's fixtures built on both workers."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    if config.getoption("dist", None) != "loadgroup" or hasattr(config, "workerinput"):
+        return
+    pytest_v, xdist_v = (Version(importlib.metadata.version(d)) for d in ("pytest", "pytest-xdist"))
+    if pytest_v >= Version("9.2") and xdist_v <= Version("3.8.0"):
+        raise pytest.UsageError(
+            f"pytest {pytest_v} with pytest-xdist {xdist_v} ignores --dist loadgroup's groups "
+            "(pytest-dev/pytest-xdist#1386): install the dev extra's pins, pip install -e '.[dev]'"
+        )
+
+
+HEAVY_MARKS = ("slow", "upstream", "container", "slurm", "ray")
+
+
+def schedule_order(groups: dict[str, list]) -> list[str]:
+    """The order workers take the groups in (`--dist loadgroup --no-loadscope-reorder`: whole
+    groups, first come first served). Longest first, so that no long group starts last: the
+    groups that train or start services, most such tests first; then the groups that read
+    ``tiny_pipeline``, whose build started in the background with the session
+    (``pipeline_in_background``) and is done or nearly by then; then the quick groups."""
+
+    def heavy(group: str) -> int:
+        return sum(any(item.get_closest_marker(m) for m in HEAVY_MARKS) for item in groups[group])
+
+    readers = [g for g in groups if any("tiny_pipeline" in i.fixturenames for i in groups[g])]
+    trainers = sorted((g for g in groups if heavy(g) and g not in readers), key=heavy, reverse=True)
+    quick = [g for g in groups if not heavy(g) and g not in readers]
+    return [*trainers, *readers, *quick]
 
 
 # A stand-in for `dvc repro`: runs a command through `/bin/sh -c`, as DVC does when SHELL is
@@ -213,19 +258,25 @@ def writable_copy(src: Path, dst: Path) -> Path:
 def build_once(tmp_path_factory, name: str, build) -> Path:
     """``build(dir)`` once per test session, whichever worker asks first (pytest-xdist starts one
     process per core); the others wait for it and get the same directory. A build that failed
-    is tried again by the next worker that asks, which then fails the same way."""
+    fails every later ask with its error, without building again."""
     from filelock import FileLock
 
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    target, done = shared / name, shared / f"{name}.done"
+    target, done, failed = shared / name, shared / f"{name}.done", shared / f"{name}.failed"
     with FileLock(str(shared / f"{name}.lock")):
+        if failed.exists():
+            raise AssertionError(f"building {name} failed earlier in this session:\n{failed.read_text()}")
         if not done.exists():
             if target.exists():
                 set_writable(target, True)
                 shutil.rmtree(target)
             target.mkdir()
-            build(target)
+            try:
+                build(target)
+            except BaseException as e:
+                failed.write_text(f"{type(e).__name__}: {e}")
+                raise
             done.touch()
     return target
 
@@ -272,12 +323,12 @@ class Reproduced:
         return json.loads((self.root / "results" / stage / "metrics.json").read_text())
 
 
-@pytest.fixture(scope="session")
-def tiny_pipeline(tmp_path_factory) -> Reproduced:
-    """The committed tiny pipeline, reproduced once per test session with `dvc repro` on a fresh
-    git + DVC copy (what `make repro` does on a clone), and shared by every test that reads a
-    trained model, an export or a score. Read-only: a test that runs a stage or a `dvc` command
-    works on ``writable_copy(tiny_pipeline.root, ...)``."""
+# The `dvc repro` that ``build_tiny_pipeline`` started in this process, while it runs.
+_PIPELINE_REPRO: list[subprocess.Popen] = []
+
+
+def build_tiny_pipeline(tmp_path_factory) -> Reproduced:
+    """The committed tiny pipeline, reproduced once per test session (``build_once``)."""
     import json
     import re
 
@@ -291,13 +342,15 @@ def tiny_pipeline(tmp_path_factory) -> Reproduced:
             "ALIGNPIPE_SCRATCH": str(tmp / "scratch"),
             "PYTHONHASHSEED": "0",
         }
-        proc = subprocess.run(["dvc", "repro"], cwd=root, env=env, capture_output=True, text=True)
+        proc = subprocess.Popen(["dvc", "repro"], cwd=root, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        _PIPELINE_REPRO.append(proc)
+        out, _ = proc.communicate()
+        _PIPELINE_REPRO.remove(proc)
         if proc.returncode != 0:
-            raise AssertionError(
-                f"dvc repro of the tiny pipeline failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-            )
-        (tmp / "repro.log").write_text(proc.stdout + proc.stderr)
-        (tmp / "ran.json").write_text(json.dumps(re.findall(r"Running stage '([^']+)'", proc.stdout)))
+            raise AssertionError(f"dvc repro of the tiny pipeline failed:\n{out[-8000:]}")
+        (tmp / "repro.log").write_text(out)
+        (tmp / "ran.json").write_text(json.dumps(re.findall(r"Running stage '([^']+)'", out)))
         set_writable(root, False)
 
     tmp = build_once(tmp_path_factory, "tiny-pipeline", build)
@@ -307,6 +360,44 @@ def tiny_pipeline(tmp_path_factory) -> Reproduced:
         (tmp / "committed.lock").read_text(),
         (tmp / "repro.log").read_text(),
     )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pipeline_in_background(request, tmp_path_factory):
+    """Start reproducing the tiny pipeline beside the first tests when any collected test reads
+    it: the build (most of ten minutes, one stage process at a time) then overlaps the other
+    tests instead of holding up the worker that first asks for it; whoever asks waits for it.
+    At the session's end this worker waits for a build it started (another worker may still
+    need it), unless the session is stopping early (-x, a failure limit)."""
+    import threading
+
+    if not any("tiny_pipeline" in item.fixturenames for item in request.session.items):
+        yield
+        return
+
+    def run() -> None:
+        try:
+            build_tiny_pipeline(tmp_path_factory)
+        except BaseException:  # recorded by build_once; the tests that read it report it
+            pass
+
+    thread = threading.Thread(target=run, name="tiny-pipeline", daemon=True)
+    thread.start()
+    yield
+    if request.session.shouldfail or request.session.shouldstop:
+        for proc in list(_PIPELINE_REPRO):
+            proc.terminate()
+    elif _PIPELINE_REPRO:
+        thread.join()
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory) -> Reproduced:
+    """The committed tiny pipeline, reproduced once per test session with `dvc repro` on a fresh
+    git + DVC copy (what `make repro` does on a clone), and shared by every test that reads a
+    trained model, an export or a score. Read-only: a test that runs a stage or a `dvc` command
+    works on ``writable_copy(tiny_pipeline.root, ...)``."""
+    return build_tiny_pipeline(tmp_path_factory)
 
 
 # --- NeMo-RL v0.7.0 source (vendored as data in ../shared/vendor; never copied into the repo) ---
