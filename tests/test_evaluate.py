@@ -335,7 +335,7 @@ def test_without_vllm_a_vllm_setting_reads_and_draws_with_transformers(trained_s
         limit=None, max_new_tokens=12, batch_size=128
     )
     ctx = build_context(trained_sft, "rlvr", "default", params=params)
-    settings = ctx.config["alignpipe"]["heldout"]
-    assert settings["backend"] == "vllm" and drawing_backend(settings) == "hf"
+    settings = ctx.settings.heldout
+    assert settings.backend == "vllm" and drawing_backend(settings) == "hf"
     assert published_samples(ctx, trained_sft / "models" / "sft") is not None
     assert sample_heldout(ctx, None, None, model_dir=trained_sft / "models" / "sft").reused
