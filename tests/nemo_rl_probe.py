@@ -20,6 +20,7 @@ Two adjustments, to the machine rather than to NeMo-RL's code:
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 import typing
@@ -106,6 +107,39 @@ def grpo_loss(payload: dict) -> list[dict]:
         loss.backward()
         out.append({"loss": loss.detach(), "metrics": metrics, "grad": logits.grad.clone()})
     return out
+
+
+ENVIRONMENTS: dict[tuple[str, str], object] = {}
+
+
+def share_environments() -> None:
+    """One environment actor per distinct (name, config) for the probe process, as one driver
+    has: ``setup_response_data`` calls NeMo-RL's ``create_env`` for every config it reads, and
+    each actor (and its verifier workers) is a process that imports NeMo-RL anew (~15 s here).
+    The profiles' configs mostly name the same environment."""
+    import nemo_rl.data.utils as data_utils
+
+    create = data_utils.create_env
+
+    def shared(env_name: str, env_config: dict):
+        key = (env_name, json.dumps(env_config, sort_keys=True, default=str))
+        if key not in ENVIRONMENTS:
+            ENVIRONMENTS[key] = create(env_name, env_config)
+        return ENVIRONMENTS[key]
+
+    data_utils.create_env = shared
+
+
+def release_environments() -> None:
+    """Stop each environment actor and its workers, as NeMo-RL's drivers do at the end
+    (``shutdown`` kills the workers); a dropped handle is stopped gracefully, and Ray waits 30 s
+    for an actor that never exits before it force-kills it."""
+    import ray
+
+    for env in ENVIRONMENTS.values():
+        ray.get(env.shutdown.remote())
+        ray.kill(env)
+    ENVIRONMENTS.clear()
 
 
 def rlvr_rewards(payload: dict) -> dict:
@@ -439,6 +473,8 @@ def main() -> None:
             os.environ["RAY_AUTH_MODE"] = "disabled"
             ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
             stack.callback(ray.shutdown)
+            share_environments()
+            stack.callback(release_environments)
         if probe == "calls":
             result = {name: run(*call) for name, call in payload.items()}
         else:

@@ -86,7 +86,8 @@ def test_the_export_carries_the_source_tokenizer_generation_config_and_lineage(
     lineage = json.loads((export / "artifact.json").read_text())["source_model"]
     assert lineage["name"] == str(no_pad_smollm2.resolve()) and lineage["hash"] == dvc_hash(no_pad_smollm2)
     assert (
-        f"`{no_pad_smollm2.resolve()}` DVC md5 `{dvc_hash(no_pad_smollm2)}`" in (export / "README.md").read_text()
+        f"`{no_pad_smollm2.resolve()}` DVC md5 `{dvc_hash(no_pad_smollm2)}`"
+        in (export / "README.md").read_text()
     )
 
 
@@ -127,6 +128,4 @@ def test_lm_evals_boxed_score_is_the_projects_verifier_on_the_same_generations(s
         r["scores"]["exact_match"] for r in records
     ]
     tasks = json.loads((result / "metrics.json").read_text())["tasks"]
-    assert (
-        set(tasks) == {"heldout_boxed", "preference_choice"} and tasks["preference_choice"]["samples"] == 8
-    )
+    assert set(tasks) == {"heldout_boxed", "preference_choice"} and tasks["preference_choice"]["samples"] == 8
