@@ -100,7 +100,7 @@ class Heldout:
 
 @dataclass(frozen=True)
 class RewardShaping:
-    """Shaping on top of the verifier's 0/1 (``alignpipe.rewards.shaping``); every option off by default:
+    """Shaping on top of the verifier's 0/1 (``alignpipe.rl.shaping``); every option off by default:
     ``r - format_penalty * bad_format - length_penalty * max(0, length - target_length)``, then clip."""
 
     format_penalty: float = setting(

@@ -33,9 +33,9 @@ def engine_module(ctx: StageContext):
     if ctx.engine == "nemo_rl":
         return importlib.import_module("alignpipe.engines.nemo_rl.engine")
     try:
-        return importlib.import_module(f"alignpipe.engines.local.{ctx.name}")
+        return importlib.import_module(f"alignpipe.engines.local.stages.{ctx.name}")
     except ModuleNotFoundError as e:
-        if e.name == f"alignpipe.engines.local.{ctx.name}":
+        if e.name == f"alignpipe.engines.local.stages.{ctx.name}":
             raise ConfigError(f"stage '{ctx.name}' has no local-engine implementation") from e
         raise
 

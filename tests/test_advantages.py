@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from alignpipe.rewards.advantages import (
+from alignpipe.rl.advantages import (
     baseline_and_std_per_group,
     clip_advantages,
     compute_grpo_advantages,

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from alignpipe.artifacts import dvc_hash, read_manifest
 from alignpipe.context import build_context
-from alignpipe.engines.local import training
+from alignpipe.engines.local import preference_pairs
 from alignpipe.jsonl import read_jsonl
 from tests.conftest import REPO
 
@@ -78,13 +78,13 @@ def test_validation_rewards_match_trls_own(dpo_run: Path, tmp_path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig
 
-    from alignpipe.engines.local.dpo import make_trainer_class, preference_metrics, trl_pairs
+    from alignpipe.engines.local.stages.dpo import make_trainer_class, preference_metrics, trl_pairs
 
     policy = AutoModelForCausalLM.from_pretrained(dpo_run / "models" / "dpo", local_files_only=True).eval()
     reference = AutoModelForCausalLM.from_pretrained(dpo_run / "models" / "sft", local_files_only=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(dpo_run / "models" / "dpo", local_files_only=True)
     rows = read_jsonl(dpo_run / "data/prepared/preference/validation.jsonl")[:32]
-    pairs = training.preference_examples(tokenizer, rows, build_context(dpo_run, "dpo").config)
+    pairs = preference_pairs.preference_examples(tokenizer, rows, build_context(dpo_run, "dpo").config)
     ours = preference_metrics(policy, reference, tokenizer, pairs, beta=0.1, average_log_probs=False)
 
     args = DPOConfig(
@@ -114,7 +114,7 @@ def test_validation_rewards_match_trls_own(dpo_run: Path, tmp_path: Path):
 
 def loss_config(**dpo_knobs) -> dict:
     from alignpipe import config as C
-    from alignpipe.engines.local.dpo import loss_settings
+    from alignpipe.engines.local.stages.dpo import loss_settings
 
     params = {**C.load_params(REPO), "dpo": {"dpo": dpo_knobs}}
     return loss_settings(build_context(REPO, "dpo", params=params))
@@ -136,7 +136,7 @@ def test_sft_term_is_a_mean_over_responses_not_over_pooled_tokens():
     batch's tokens, which weighs a long response more. By hand, on two responses of 1 and 3 tokens."""
     import torch
 
-    from alignpipe.engines.local.dpo import sft_term
+    from alignpipe.engines.local.stages.dpo import sft_term
 
     logps = torch.tensor([[-1.0, 0.0, 0.0], [-2.0, -2.0, -2.0], [-9.0, -9.0, -9.0], [-9.0, -9.0, -9.0]])
     mask = torch.tensor([[1, 0, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]])  # [chosen, chosen, rejected, rejected]

@@ -65,7 +65,7 @@ def imported_modules(path: Path) -> set[str]:
             else:
                 base = node.module or ""
             found.add(base)
-            # `from alignpipe.engines.local import training` imports the submodule.
+            # `from alignpipe.engines.local import lora` imports the submodule.
             found.update(f"{base}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and NAMED.fullmatch(node.value):
             parts = node.value.split(".")
@@ -112,7 +112,7 @@ def entry_modules(stage: str, engine: str = "local") -> list[Path]:
     """What ``alignpipe run <stage>`` imports to run the stage on ``engine`` (stage.engine_module)."""
     if engine == "nemo_rl":
         return [PACKAGE / "engines" / "nemo_rl" / "engine.py"]
-    return [PACKAGE / "engines" / "local" / f"{stage}.py"]
+    return [PACKAGE / "engines" / "local" / "stages" / f"{stage}.py"]
 
 
 # A trainer stage's deps on the NeMo-RL engine's code: params derived from runtime.engine
@@ -149,7 +149,7 @@ def test_dvc_yaml_lists_exactly_the_code_each_stage_imports(stage):
     listed = listed_code_deps(stage)
     missing, extra = sorted(derived - listed), sorted(listed - derived)
     assert not missing and not extra, (
-        f"dvc.yaml stage '{stage}': code deps differ from what alignpipe/engines/local/{stage}.py "
+        f"dvc.yaml stage '{stage}': code deps differ from what alignpipe/engines/local/stages/{stage}.py "
         f"imports (transitively).\n  missing (add to deps): {missing}\n  extra (remove): {extra}\n"
         "  fix: python -m tests.test_dvc_deps (rewrites the code deps of dvc.yaml)"
     )

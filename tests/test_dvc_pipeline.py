@@ -367,6 +367,6 @@ def test_a_launcher_or_renderer_edit_reruns_no_tiny_stage_and_a_trainer_edit_its
         with (root / rel).open("a") as f:
             f.write("# an edit\n")
     assert would_run() == set()
-    with (root / "alignpipe/engines/local/dpo.py").open("a") as f:
+    with (root / "alignpipe/engines/local/stages/dpo.py").open("a") as f:
         f.write("# an edit\n")
     assert would_run() == {"dpo"}

@@ -197,7 +197,7 @@ def upstream(tokenizers, nemo_rl_runtime, tmp_path_factory) -> dict[tuple[str, s
 
 @pytest.mark.parametrize("profile", ["tiny", "small", "tools"])
 def test_sft_tokens_and_masks_equal_nemo_rls(profile, tokenizers, upstream) -> None:
-    from alignpipe.engines.local.sft import sft_examples
+    from alignpipe.engines.local.stages.sft import sft_examples
 
     cfg, theirs = upstream[("sft", profile)]["config"], upstream[("sft", profile)]["rows"]
     rows = sft_rows(cfg, profile)
@@ -219,7 +219,7 @@ def test_sft_tokens_and_masks_equal_nemo_rls(profile, tokenizers, upstream) -> N
 
 def test_a_template_that_cannot_render_tools_is_refused_naming_it(tokenizers) -> None:
     """Transformers' templates drop what they do not know: SmolLM2's would train the calls away."""
-    from alignpipe.engines.local.sft import sft_examples
+    from alignpipe.engines.local.stages.sft import sft_examples
     from alignpipe.errors import DataError
 
     cfg = {"data": {"max_input_seq_length": 512}}
@@ -232,7 +232,7 @@ def test_a_template_that_cannot_render_tools_is_refused_naming_it(tokenizers) ->
 @pytest.mark.parametrize("stage", ["dpo", "rm"])
 @pytest.mark.parametrize("profile", ["tiny", "small"])
 def test_preference_tokens_and_masks_equal_nemo_rls(stage, profile, tokenizers, upstream) -> None:
-    from alignpipe.engines.local.training import preference_examples
+    from alignpipe.engines.local.preference_pairs import preference_examples
 
     cfg, theirs = upstream[(stage, profile)]["config"], upstream[(stage, profile)]["rows"]
     rows = preference_rows(cfg)

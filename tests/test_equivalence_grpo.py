@@ -17,7 +17,7 @@ import torch
 
 from alignpipe.engines.local.grpo import advantage_settings
 from alignpipe.errors import ConfigError, UnsupportedSetting
-from alignpipe.rewards.advantages import step_advantages
+from alignpipe.rl.advantages import step_advantages
 from tests.test_nemo_rl_render import rendered
 
 PROFILES = ("tiny", "small", "default", "nemo_gym")
@@ -282,7 +282,7 @@ def test_grpo_loss_and_gradient_equal_nemo_rls_clipped_pg_loss(
 def test_reference_kl_clamps_as_nemo_rl_does() -> None:
     """By hand: past the output clamp a token has value 10 and no gradient; inside every clamp
     the gradient carries the on-policy term."""
-    from alignpipe.engines.local.grpo import reference_kl
+    from alignpipe.rl.kl import reference_kl
 
     lp = torch.zeros(4, requires_grad=True)
     ref = torch.tensor([0.5, 3.0, 25.0, -25.0])

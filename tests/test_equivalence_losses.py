@@ -44,8 +44,8 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
 def test_dpo_loss_and_gradient_equal_nemo_rls(models, nemo_rl_runtime, tmp_path: Path) -> None:
     from trl import DPOConfig
 
-    from alignpipe.engines.local import dpo as D
-    from alignpipe.engines.local.training import preference_examples
+    from alignpipe.engines.local.preference_pairs import preference_examples
+    from alignpipe.engines.local.stages import dpo as D
     from alignpipe.measure.logprobs import load_policy
 
     policy_dir, reference_dir = models
@@ -117,7 +117,7 @@ def test_sft_loss_and_gradient_equal_nemo_rls_nll(models, nemo_rl_runtime, tmp_p
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from alignpipe.engines.local.sft import sft_examples
+    from alignpipe.engines.local.stages.sft import sft_examples
     from alignpipe.measure.logprobs import load_policy
 
     policy, tokenizer = load_policy(models[0])
@@ -161,8 +161,8 @@ def test_rm_loss_and_gradient_equal_nemo_rls_preference_loss(models, nemo_rl_run
     from transformers import AutoTokenizer
     from trl import RewardConfig, RewardTrainer
 
-    from alignpipe.engines.local.rm import load_reward_model
-    from alignpipe.engines.local.training import preference_examples
+    from alignpipe.engines.local.preference_pairs import preference_examples
+    from alignpipe.engines.local.stages.rm import load_reward_model
 
     tokenizer = AutoTokenizer.from_pretrained(models[0], local_files_only=True)
     torch.manual_seed(0)

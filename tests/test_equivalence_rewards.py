@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from alignpipe.engines.local.grpo import RewardFn
-from alignpipe.engines.local.rlvr import verifier_score
+from alignpipe.engines.local.stages.rlvr import verifier_score
 from tests.conftest import REPO
 from tests.test_nemo_rl_render import rendered
 
@@ -215,7 +215,7 @@ def test_rlhf_reward_model_scores_what_rm_trained_on(profile, rm_upstream, token
     reward model give the same score."""
     from transformers import AutoTokenizer
 
-    from alignpipe.engines.local.training import preference_examples
+    from alignpipe.engines.local.preference_pairs import preference_examples
     from alignpipe.measure.reward_model import conversation_token_ids
 
     theirs = rm_upstream[profile]["env"]
@@ -281,7 +281,7 @@ def test_one_grpo_rollout_through_nemo_rls_loop_gives_the_local_rewards_and_adva
     from transformers import AutoTokenizer
 
     from alignpipe.engines.local.grpo import advantage_settings
-    from alignpipe.rewards.advantages import step_advantages
+    from alignpipe.rl.advantages import step_advantages
 
     theirs = rollout_upstream[profile]
     cfg = theirs["config"]

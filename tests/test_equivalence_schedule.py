@@ -1,4 +1,4 @@
-"""The learning-rate schedule on both engines: the local trainers' LambdaLR (training.lr_factor)
+"""The learning-rate schedule on both engines: the local trainers' LambdaLR (schedule.lr_factor)
 against torch's own schedulers assembled from the rendered ``policy.scheduler`` the way NeMo-RL
 v0.7.0 assembles them (models/automodel/setup.py ``setup_model_and_optimizer``: each entry's
 class with its kwargs, then ``SequentialLR`` over the ``milestones`` entry). That module imports
@@ -13,7 +13,7 @@ import pytest
 import torch
 from hydra.utils import get_class
 
-from alignpipe.engines.local.training import lr_factor
+from alignpipe.engines.local.schedule import lr_factor
 from alignpipe.errors import UnsupportedSetting
 from tests.test_nemo_rl_render import rendered
 

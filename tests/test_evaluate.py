@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from alignpipe.engines.local.evaluate import (
+from alignpipe.engines.local.stages.evaluate import (
     add_intervals,
     benchmark_differences,
     benchmark_regressions,

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from alignpipe.context import build_context
-from alignpipe.engines.local import grpo, judge, rlhf
+from alignpipe.engines.local import grpo, judge
+from alignpipe.engines.local.stages import rlhf
 from alignpipe.errors import ConfigError, UnsupportedSetting
 from alignpipe.measure.metrics import local_keys
-from alignpipe.rewards.advantages import compute_grpo_advantages
+from alignpipe.rl.advantages import compute_grpo_advantages
+from alignpipe.rl.shaping import scale_reward
 from alignpipe.settings import Judge, parse
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,12 +165,12 @@ def test_reward_fn_rows_carry_the_rows_own_conversation_without_the_stage_system
 
 def test_reward_scaling_clamps_then_maps_linearly():
     scaling = {"enabled": True, "source_min": 0.0, "source_max": 2.0, "target_min": -1.0, "target_max": 1.0}
-    assert [grpo.scale_reward(r, scaling) for r in (-5.0, 0.0, 1.0, 2.0, 9.0)] == [-1.0, -1.0, 0.0, 1.0, 1.0]
-    assert grpo.scale_reward(7.0, {"enabled": False}) == 7.0
+    assert [scale_reward(r, scaling) for r in (-5.0, 0.0, 1.0, 2.0, 9.0)] == [-1.0, -1.0, 0.0, 1.0, 1.0]
+    assert scale_reward(7.0, {"enabled": False}) == 7.0
 
 
 def test_rlvr_reward_is_the_verifier_then_shaping():
-    from alignpipe.engines.local.rlvr import verifier_score
+    from alignpipe.engines.local.stages.rlvr import verifier_score
 
     rows = [
         {"prompt": [{"role": "user", "content": "add:2+2"}], "answer": "4", "verifier": "numeric"},
@@ -206,7 +208,7 @@ def test_rm_reward_is_clipped_and_logs_raw_score_and_verifier_accuracy():
 @pytest.mark.parametrize("loo", [True, False])
 @pytest.mark.parametrize("normalize", [True, False])
 def test_trainer_replaces_trl_advantages_with_nemo_rl_ones(monkeypatch, loo, normalize):
-    """The advantages the loss sees are alignpipe.rewards.advantages' on the same rewards, grouped
+    """The advantages the loss sees are alignpipe.rl.advantages' on the same rewards, grouped
     by identical (left-padded) prompt tokens as NeMo-RL groups them."""
     from trl import GRPOTrainer
 

@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from alignpipe.engines.local import training
+from alignpipe.engines.local import trl_args
 from alignpipe.errors import UnsupportedSetting
 from tests.conftest import copy_repo, run_cli, set_params
 
 # Every guarded setting, switched on.
-ALL_GUARDED = [(key, on) for key, on, _ in training._GPU_ONLY] + [
-    (key, 2) for key, _ in training._MUST_BE_ONE
+ALL_GUARDED = [(key, on) for key, on, _ in trl_args._GPU_ONLY] + [
+    (key, 2) for key, _ in trl_args._MUST_BE_ONE
 ]
 
 
@@ -38,7 +38,7 @@ def merge(base: dict, new: dict) -> dict:
 def test_each_guarded_setting_is_refused_by_name(key, value):
     ctx = SimpleNamespace(name="dpo", profile="tiny", config=merge({"policy": {}}, nested(key, value)))
     with pytest.raises(UnsupportedSetting) as err:
-        training.refuse_gpu_only_settings(ctx)
+        trl_args.refuse_gpu_only_settings(ctx)
     assert key in str(err.value)
     assert "runtime.engine=nemo_rl" in str(err.value)  # says how to get it
 
@@ -52,7 +52,7 @@ def test_settings_left_off_pass():
         },
         "cluster": {"num_nodes": 1},
     }
-    training.refuse_gpu_only_settings(SimpleNamespace(name="rm", profile="tiny", config=off))
+    trl_args.refuse_gpu_only_settings(SimpleNamespace(name="rm", profile="tiny", config=off))
 
 
 # Guarded keys that exist in the rm/dpo tiny profiles (params knobs must name existing keys;

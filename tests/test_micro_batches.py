@@ -1,4 +1,4 @@
-"""Length-sorted micro-batches (``training.length_sorted_micro_batches``): each optimizer step
+"""Length-sorted micro-batches (``alignpipe.engines.local.micro_batches``): each optimizer step
 trains the rows TRL's own sampler draws for it, cut into micro-batches by length, with the same
 gradient and less padding. Checked on TRL's RewardTrainer and a tiny Llama, in process."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from alignpipe.engines.local import training
+from alignpipe.engines.local.micro_batches import length_sorted_micro_batches
 
 MICRO, STEPS = 4, 3  # rows per micro-batch, micro-batches per optimizer step
 
@@ -42,7 +42,7 @@ def trainer(model_dir: Path, tmp: Path, *, sorted_: bool):
     from transformers import AutoTokenizer, set_seed
     from trl import RewardConfig, RewardTrainer
 
-    from alignpipe.engines.local.rm import load_reward_model
+    from alignpipe.engines.local.stages.rm import load_reward_model
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     args = RewardConfig(output_dir=str(tmp), per_device_train_batch_size=MICRO, gradient_accumulation_steps=STEPS,
@@ -51,9 +51,7 @@ def trainer(model_dir: Path, tmp: Path, *, sorted_: bool):
     made = RewardTrainer(model=load_reward_model(str(model_dir), tokenizer), args=args,
                          train_dataset=Dataset.from_list(pairs()), processing_class=tokenizer)  # fmt: skip
     if sorted_:
-        training.length_sorted_micro_batches(
-            made, lambda row: max(len(row["chosen_ids"]), len(row["rejected_ids"]))
-        )
+        length_sorted_micro_batches(made, lambda row: max(len(row["chosen_ids"]), len(row["rejected_ids"])))
     return made
 
 

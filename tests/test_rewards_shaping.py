@@ -3,8 +3,7 @@
 import pytest
 
 from alignpipe.errors import ConfigError
-from alignpipe.rewards import format_ok, shape_reward, shape_rewards, shaping_config
-from alignpipe.rewards.shaping import is_noop
+from alignpipe.rl.shaping import format_ok, is_noop, shape_reward, shape_rewards, shaping_config
 from alignpipe.settings import RewardShaping
 
 

@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file
 
 from alignpipe.artifacts import dvc_hash, read_manifest
-from alignpipe.engines.local import training
+from alignpipe.engines.local import preference_pairs
 from alignpipe.jsonl import read_jsonl
 from tests.conftest import run_cli, set_params
 
@@ -53,7 +53,7 @@ def test_rm_learns_to_rank_chosen_above_rejected(rm_run: Path):
 def test_rm_reloads_as_a_classifier_and_records_lineage(rm_run: Path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from alignpipe.engines.local.rm import pairwise_metrics
+    from alignpipe.engines.local.stages.rm import pairwise_metrics
 
     out = rm_run / "models" / "rm"
     model = AutoModelForSequenceClassification.from_pretrained(out, local_files_only=True).eval()
@@ -72,7 +72,7 @@ def test_rm_reloads_as_a_classifier_and_records_lineage(rm_run: Path):
     from alignpipe.context import build_context
 
     rows = read_jsonl(rm_run / "data" / "prepared" / "preference" / "validation.jsonl")
-    pairs = training.preference_examples(tokenizer, rows, build_context(rm_run, "rm").config)
+    pairs = preference_pairs.preference_examples(tokenizer, rows, build_context(rm_run, "rm").config)
     again = pairwise_metrics(model, tokenizer, pairs)
     published = json.loads((rm_run / "results" / "rm" / "metrics.json").read_text())["val"]
     assert again["val_pairwise_accuracy"] == pytest.approx(published["pairwise_accuracy"], abs=1e-6)

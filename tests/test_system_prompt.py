@@ -10,8 +10,8 @@ import pytest
 
 from alignpipe.context import read_system_prompt
 from alignpipe.engines.local.grpo import conversational
-from alignpipe.engines.local.sft import sft_examples
-from alignpipe.engines.local.training import preference_examples
+from alignpipe.engines.local.preference_pairs import preference_examples
+from alignpipe.engines.local.stages.sft import sft_examples
 from alignpipe.errors import ConfigError
 from alignpipe.measure.generation import generate
 from alignpipe.measure.heldout import SAMPLES_FILE, heldout_rows, sampling_args, sampling_key

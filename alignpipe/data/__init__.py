@@ -1,6 +1,6 @@
 """Stage ``prep``: builtin tiny tasks, source readers, validation, content-keyed splits, manifest.
 
-Entry point: :func:`alignpipe.data.prepare.prepare` (called by ``alignpipe.engines.local.prep``).
+Entry point: :func:`alignpipe.data.prepare.prepare` (called by ``alignpipe.engines.local.stages.prep``).
 Row schemas per family are in :mod:`alignpipe.data.schema` (and DEVELOPING.md, "Prepared data").
 """
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from alignpipe.measure.chat_tokens import turn_token_ids
 from alignpipe.measure.generation import Prompt, model_system_prompt, prompt_messages
 from alignpipe.measure.intervals import above, below
 from alignpipe.measure.logprobs import LOCAL_DTYPE
+from alignpipe.tokenise import turn_token_ids
 
 
 def conversation_token_ids(

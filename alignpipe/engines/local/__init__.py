@@ -1,1 +1,2 @@
-"""The local engine: each stage is a module here with ``run(ctx)``, built on TRL and transformers."""
+"""The local engine, built on TRL and transformers: ``stages/`` holds one entry module per stage
+(``run(ctx)``); the modules beside it are what those stages share."""

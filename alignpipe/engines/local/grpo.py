@@ -5,7 +5,7 @@ loss with a k3 KL penalty and its metrics; this module maps NeMo-RL's GRPO keys 
 and replaces one piece, the advantages: TRL subtracts the group mean *including* the
 sample itself, while NeMo-RL v0.7.0 (``grpo.use_leave_one_out_baseline``, on by default)
 leaves each sample out of its own baseline and std. ``AlignGRPOTrainer`` therefore
-recomputes every batch's advantages with ``alignpipe.rewards.advantages``, the same
+recomputes every batch's advantages with ``alignpipe.rl.advantages``, the same
 function the NeMo-RL conventions are tested against, so both settings mean what they
 mean on the NeMo-RL engine (see stages/rlvr/README.md for the full key mapping).
 
@@ -26,7 +26,10 @@ from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.data.schema import as_conversation
-from alignpipe.engines.local import live_log, lora, training
+from alignpipe.engines.local import live_log, lora
+from alignpipe.engines.local.checkpoints import publish_trained, train_resumable
+from alignpipe.engines.local.torch_threads import apply_torch_threads
+from alignpipe.engines.local.trl_args import refuse_gpu_only_settings, trl_common_args
 from alignpipe.errors import ConfigError, NoLearningSignal, UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.generation import prompt_messages
@@ -39,6 +42,8 @@ from alignpipe.measure.heldout import (
 from alignpipe.measure.logprobs import LOCAL_DTYPE, kl_to_reference, load_policy
 from alignpipe.measure.metrics import local_keys
 from alignpipe.rewards.verifiers import ROW_FIELDS
+from alignpipe.rl.kl import reference_kl
+from alignpipe.rl.shaping import scale_reward
 from alignpipe.timing import record_timing
 
 # NeMo-RL GRPO settings whose effect this engine cannot reproduce: (key, allowed values, why).
@@ -73,7 +78,7 @@ def config_file(ctx: StageContext) -> str:
 
 def refuse_unsupported_grpo(ctx: StageContext) -> None:
     """Fail with every GRPO setting the local engine would silently ignore, not just the first."""
-    training.refuse_gpu_only_settings(ctx)
+    refuse_gpu_only_settings(ctx)
     problems = [
         f"{key}={get_path(ctx.config, key)!r}: {why}"
         for key, allowed, why in _UNSUPPORTED
@@ -222,16 +227,6 @@ class ZeroRewardGuard:
         return "\n".join(lines)
 
 
-def scale_reward(r: float, scaling: dict[str, Any]) -> float:
-    """NeMo-RL ``grpo.reward_scaling``: clamp to [source_min, source_max], map linearly to [target_min, target_max]."""
-    if not scaling.get("enabled"):
-        return r
-    lo, hi = float(scaling.get("source_min", 0.0)), float(scaling.get("source_max", 1.0))
-    tlo, thi = float(scaling.get("target_min", 0.0)), float(scaling.get("target_max", 1.0))
-    r = min(max(r, lo), hi)
-    return tlo + (r - lo) * (thi - tlo) / (hi - lo) if hi > lo else tlo
-
-
 def completion_text(completion: Any) -> str:
     """TRL passes conversational completions as ``[{"role": "assistant", "content": ...}]``."""
     if isinstance(completion, list):
@@ -240,31 +235,6 @@ def completion_text(completion: Any) -> str:
 
 
 # ----------------------------------------------------------------------------- trainer
-
-
-def reference_kl(logps, ref_logps, input_clamp: float | None = 20.0, output_clamp: float | None = 10.0):
-    """Per-token k3 KL penalty ``[B, T]`` as NeMo-RL v0.7.0's ``ClippedPGLossFn`` computes it
-    (algorithms/utils.py ``calculate_kl``), so both engines follow the same gradient:
-
-    * ``logr = clamp(ref - lp, +-input_clamp)``; ``k3 = exp(logr) - 1 - logr``;
-    * times ``exp(lp - sg(lp))``: value 1, but it adds the score-function gradient of a KL
-      whose samples come from the policy itself (detached where the input clamp bites);
-    * then ``clamp(+-output_clamp)``: a token past it contributes no gradient.
-
-    TRL's own term (``use_bias_correction_kl``) has the same weight but neither clamp.
-    """
-    import torch
-
-    weight = torch.exp(logps - logps.detach())
-    logr = ref_logps - logps
-    if input_clamp is not None:
-        clamped = logr.clamp(min=-input_clamp, max=input_clamp)
-        weight = torch.where(logr == clamped, weight, weight.detach())
-        logr = clamped
-    kl = weight * (torch.exp(logr) - 1 - logr)
-    if output_clamp is not None:
-        kl = kl.clamp(min=-output_clamp, max=output_clamp)
-    return kl
 
 
 def kl_settings(cfg: dict[str, Any]) -> dict[str, float | None]:
@@ -281,7 +251,7 @@ def make_trainer_class():
     import torch
     from trl import GRPOTrainer
 
-    from alignpipe.rewards.advantages import step_advantages
+    from alignpipe.rl.advantages import step_advantages
 
     class AlignGRPOTrainer(GRPOTrainer):
         """GRPOTrainer whose advantages follow NeMo-RL v0.7.0 (leave-one-out baseline optional)."""
@@ -355,7 +325,7 @@ def make_trainer_class():
 def grpo_args(ctx: StageContext, output_dir: Path) -> dict[str, Any]:
     """GRPOConfig arguments from NeMo-RL's grpo/loss_fn/policy keys (table in stages/rlvr/README.md)."""
     cfg = ctx.config
-    args = training.trl_common_args(ctx, "grpo", output_dir)
+    args = trl_common_args(ctx, "grpo", output_dir)
     prompts = int(get_path(cfg, "grpo.num_prompts_per_step", 8))
     group = int(get_path(cfg, "grpo.num_generations_per_prompt", 8))
     global_bs = int(get_path(cfg, "policy.train_global_batch_size", prompts * group))
@@ -439,7 +409,7 @@ def run_grpo(
 
     refuse_unsupported_grpo(ctx)
     cfg = ctx.config
-    training.apply_torch_threads(ctx)  # ~9x less CPU per GRPO step on a busy box (benchmarks/grpo_stages.md)
+    apply_torch_threads(ctx)  # ~9x less CPU per GRPO step on a busy box (benchmarks/grpo_stages.md)
     adapter = lora.lora_settings(ctx)
     policy_path = str(ctx.input("policy"))
     # An SFT adapter stands for its base with the adapter merged (adapters.merged_dir).
@@ -483,7 +453,7 @@ def run_grpo(
     )
     if adapter:
         lora.prepare(ctx, trainer.model, adapter, policy_path, int(get_path(cfg, "grpo.seed", ctx.seed)))
-    training.train_resumable(ctx, trainer, live, names)
+    train_resumable(ctx, trainer, live, names)
     if val is not None and get_path(cfg, "grpo.val_at_end", False):
         live_log.log_to_live(live, names, trainer.evaluate(), trainer.state.global_step)
     policy = trainer.model
@@ -506,7 +476,7 @@ def run_grpo(
     extra = after_training(live, samples, ref_samples, measures) if after_training else {}
     record_timing(ctx.name, "heldout", seconds=time.monotonic() - heldout_started)
     files = {**samples_file(samples), **measures_file(samples, measures)}
-    metrics = training.publish_trained(ctx, "policy_out", policy, tokenizer, live, files=files)
+    metrics = publish_trained(ctx, "policy_out", policy, tokenizer, live, files=files)
     console.outcome(
         ctx.name,
         {

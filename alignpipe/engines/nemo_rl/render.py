@@ -89,7 +89,7 @@ class RunPaths:
         return self.scratch / "converted"
 
 
-# alignpipe.reward_shaping options that change rewards when set (alignpipe.rewards.shaping).
+# alignpipe.reward_shaping options that change rewards when set (alignpipe.rl.shaping).
 _SHAPING_ACTIVE = ("format_penalty", "length_penalty", "clip")
 
 

@@ -1,7 +1,7 @@
 """Stage ``sft`` on the local engine: TRL's SFTTrainer warm start (or import of an HF checkpoint).
 
 Loss is on the assistant turns, tokenised as NeMo-RL's ``sft_processor`` tokenises them
-(``alignpipe.measure.chat_tokens``: the assistant header is trained, BOS/EOS per
+(``alignpipe.tokenise``: the assistant header is trained, BOS/EOS per
 ``data.add_bos``/``add_eos``, a conversation too long for ``data.max_input_seq_length`` kept
 at weight 0); TRL gets the token ids and completion mask ready-made. The policy is left
 deliberately short of perfect on held-out prompts (few steps): alignment stages need
@@ -13,14 +13,18 @@ from __future__ import annotations
 from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
-from alignpipe.engines.local import live_log, lora, training
+from alignpipe.engines.local import live_log, lora
+from alignpipe.engines.local.checkpoints import publish_trained, train_resumable
+from alignpipe.engines.local.micro_batches import length_sorted_micro_batches
+from alignpipe.engines.local.torch_threads import apply_torch_threads
+from alignpipe.engines.local.trl_args import refuse_gpu_only_settings, trl_common_args
 from alignpipe.errors import DataError, UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
-from alignpipe.measure.chat_tokens import sft_example, unrendered_tool_names
 from alignpipe.measure.generation import with_system
 from alignpipe.measure.heldout import log_heldout, sample_heldout, samples_file
 from alignpipe.measure.logprobs import LOCAL_DTYPE
 from alignpipe.measure.metrics import local_keys
+from alignpipe.tokenise import sft_example, unrendered_tool_names
 
 # trainer log key -> pipeline metric name (same names on the NeMo-RL engine)
 METRICS = local_keys("sft")  # TRL log key -> pipeline metric (measure/metrics.py)
@@ -74,9 +78,9 @@ def run(ctx: StageContext) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    training.refuse_gpu_only_settings(ctx)
+    refuse_gpu_only_settings(ctx)
     adapter = lora.lora_settings(ctx)
-    training.apply_torch_threads(ctx)
+    apply_torch_threads(ctx)
     cfg = ctx.config
     model_path = resolve_model_path(ctx, cfg["policy"]["model_name"])
     tokenizer_path = resolve_model_path(
@@ -112,7 +116,7 @@ def run(ctx: StageContext) -> None:
             n = int(cfg["sft"]["val_batches"]) * int(cfg["sft"].get("val_global_batch_size", 32))
             val = val.select(range(min(n, len(val))))
         args = SFTConfig(
-            **training.trl_common_args(ctx, "sft", ctx.scratch_dir),
+            **trl_common_args(ctx, "sft", ctx.scratch_dir),
             # sft_examples applied NeMo-RL's length rule; TRL's would also drop the weight-0 rows
             max_length=None,
             packing=False,
@@ -130,15 +134,15 @@ def run(ctx: StageContext) -> None:
         )
         if adapter:
             lora.prepare(ctx, trainer.model, adapter, model_path, int(get_path(cfg, "sft.seed", ctx.seed)))
-        training.length_sorted_micro_batches(trainer, lambda row: len(row["input_ids"]))
-        training.train_resumable(ctx, trainer, live, METRICS)
+        length_sorted_micro_batches(trainer, lambda row: len(row["input_ids"]))
+        train_resumable(ctx, trainer, live, METRICS)
         if val is not None and get_path(cfg, "sft.val_at_end", True):
             live_log.log_to_live(live, METRICS, trainer.evaluate(), trainer.state.global_step)
         model = trainer.model
 
     samples = sample_heldout(ctx, model, tokenizer)
     heldout = log_heldout(live, tokenizer, samples)
-    training.publish_trained(ctx, "policy", model, tokenizer, live, files=samples_file(samples))
+    publish_trained(ctx, "policy", model, tokenizer, live, files=samples_file(samples))
     console.outcome(
         "sft",
         {"heldout/accuracy": heldout["accuracy"]},

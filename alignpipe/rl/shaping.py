@@ -1,8 +1,11 @@
-"""Reward shaping: pure functions on top of verifier scores. Every option defaults to off.
+"""Reward shaping and scaling: pure functions on top of a reward, one float per completion.
 
-Config: a profile's ``alignpipe.reward_shaping`` section (``alignpipe.settings.RewardShaping``:
-each option with its default and meaning), or a mapping of the same keys. Order:
+Shaping (every option defaults to off): a profile's ``alignpipe.reward_shaping`` section
+(``alignpipe.settings.RewardShaping``: each option with its default and meaning), or a mapping
+of the same keys. Order:
 ``r - format_penalty * bad_format - length_penalty * max(0, length - target_length)``, then clip.
+
+Scaling (:func:`scale_reward`): NeMo-RL's ``grpo.reward_scaling``, applied after shaping.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ __all__ = [
     "format_ok",
     "is_noop",
     "length_excess",
+    "scale_reward",
     "shape_reward",
     "shape_rewards",
     "shaping_config",
@@ -102,3 +106,13 @@ def shape_rewards(
         return [float(r) for r in rewards]
     toks = list(num_tokens) if num_tokens is not None else [None] * len(rewards)
     return [shape_reward(r, c, cfg, t) for r, c, t in zip(rewards, completions, toks, strict=True)]
+
+
+def scale_reward(r: float, scaling: dict[str, Any]) -> float:
+    """NeMo-RL ``grpo.reward_scaling``: clamp to [source_min, source_max], map linearly to [target_min, target_max]."""
+    if not scaling.get("enabled"):
+        return r
+    lo, hi = float(scaling.get("source_min", 0.0)), float(scaling.get("source_max", 1.0))
+    tlo, thi = float(scaling.get("target_min", 0.0)), float(scaling.get("target_max", 1.0))
+    r = min(max(r, lo), hi)
+    return tlo + (r - lo) * (thi - tlo) / (hi - lo) if hi > lo else tlo

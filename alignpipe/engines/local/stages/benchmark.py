@@ -29,8 +29,8 @@ from typing import Any
 from alignpipe import console
 from alignpipe.artifacts import staged_dir, write_json_atomic, write_text_atomic
 from alignpipe.context import ImageNeed, StageContext, lift_offline_env
-from alignpipe.engines.local import training
 from alignpipe.engines.local.publish import write_record
+from alignpipe.engines.local.torch_threads import apply_torch_threads
 from alignpipe.errors import ConfigError
 from alignpipe.measure.benchmarks import BenchmarkTask, benchmark_tasks, score_names, where
 from alignpipe.measure.generation import model_system_prompt
@@ -161,7 +161,7 @@ def run(ctx: StageContext) -> None:
         lift_offline_env()  # builtin tasks read their data from the Hub
         print("benchmark: download=true: lm-eval's builtin tasks may fetch data from the Hugging Face Hub")
     policy_dir = ctx.input("policy")
-    training.apply_torch_threads(ctx)
+    apply_torch_threads(ctx)
     from transformers import AutoTokenizer
 
     check_chat_template(tasks, AutoTokenizer.from_pretrained(policy_dir, local_files_only=True), policy_dir)

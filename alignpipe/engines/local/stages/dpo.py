@@ -6,7 +6,7 @@ The loss is NeMo-RL's DPOLossFn (§8.3):
 with implicit reward ``r = sum_t (log pi - log pi_ref)`` over the response tokens
 (divided by their number when ``dpo.preference_average_log_probs``).
 
-NeMo-RL ``dpo.yaml`` key -> TRL (see also ``training.trl_common_args``):
+NeMo-RL ``dpo.yaml`` key -> TRL (see also ``trl_args.trl_common_args``):
 
 | NeMo-RL key                                   | TRL DPOConfig / here                                         |
 |-----------------------------------------------|--------------------------------------------------------------|
@@ -35,7 +35,12 @@ from typing import Any
 from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
-from alignpipe.engines.local import live_log, lora, training
+from alignpipe.engines.local import live_log, lora
+from alignpipe.engines.local.checkpoints import publish_trained, train_then_validate
+from alignpipe.engines.local.micro_batches import length_sorted_micro_batches
+from alignpipe.engines.local.preference_pairs import preference_splits
+from alignpipe.engines.local.torch_threads import apply_torch_threads
+from alignpipe.engines.local.trl_args import refuse_gpu_only_settings, step_budget, trl_common_args
 from alignpipe.errors import UnsupportedSetting
 from alignpipe.measure.heldout import log_heldout, sample_heldout, samples_file
 from alignpipe.measure.logprobs import LOCAL_DTYPE
@@ -77,7 +82,7 @@ def sft_term(per_token_logps, shift_completion_mask, average: bool):
 
 
 def pair_tensors(tokenizer, pairs: list[dict[str, Any]]):
-    """Padded [chosen..., rejected...] batch of tokenised pairs (``training.preference_examples``)
+    """Padded [chosen..., rejected...] batch of tokenised pairs (``preference_pairs.preference_examples``)
     with the mask of the response tokens NeMo-RL's DPO loss counts."""
     import torch
 
@@ -225,7 +230,7 @@ def preference_metrics(
 
 def run(ctx: StageContext) -> None:
     # Refuse impossible settings before the (slow) ML imports.
-    training.refuse_gpu_only_settings(ctx)
+    refuse_gpu_only_settings(ctx)
     losses = loss_settings(ctx)
     adapter = lora.lora_settings(ctx)
     from datasets import Dataset
@@ -238,7 +243,7 @@ def run(ctx: StageContext) -> None:
     model_path = str(lora.full_policy_dir(ctx, policy_dir, LOCAL_DTYPE))
     tokenizer_path = str(ctx.root / get_path(cfg, "policy.tokenizer.name", cfg["policy"]["model_name"]))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    train_pairs, val_pairs = training.preference_splits(ctx, "dpo", tokenizer)
+    train_pairs, val_pairs = preference_splits(ctx, "dpo", tokenizer)
 
     model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=LOCAL_DTYPE)
     if adapter:
@@ -253,12 +258,10 @@ def run(ctx: StageContext) -> None:
         reference.requires_grad_(False)
         peft = {}
 
-    training.apply_torch_threads(ctx)
-    trl_args = training.trl_common_args(ctx, "dpo", ctx.scratch_dir)
+    apply_torch_threads(ctx)
+    trl_args = trl_common_args(ctx, "dpo", ctx.scratch_dir)
     # Validation is ours (the callback below), so the trainer never evaluates by itself.
-    trl_args.update(
-        eval_strategy="no", eval_steps=None, max_steps=training.step_budget(ctx, "dpo", len(train_pairs))
-    )
+    trl_args.update(eval_strategy="no", eval_steps=None, max_steps=step_budget(ctx, "dpo", len(train_pairs)))
     sft = losses.pop("sft")
     args = DPOConfig(
         **trl_args,
@@ -297,14 +300,14 @@ def run(ctx: StageContext) -> None:
     )
     if adapter:
         lora.prepare(ctx, trainer.model, adapter, policy_dir, int(get_path(cfg, "dpo.seed", ctx.seed)))
-    training.length_sorted_micro_batches(
+    length_sorted_micro_batches(
         trainer, lambda row: len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"]))
     )
-    model = training.train_then_validate(ctx, trainer, live, METRICS, validation, "dpo", bool(val_pairs))
+    model = train_then_validate(ctx, trainer, live, METRICS, validation, "dpo", bool(val_pairs))
 
     samples = sample_heldout(ctx, model, tokenizer)
     heldout = log_heldout(live, tokenizer, samples)
-    metrics = training.publish_trained(ctx, "policy_out", model, tokenizer, live, files=samples_file(samples))
+    metrics = publish_trained(ctx, "policy_out", model, tokenizer, live, files=samples_file(samples))
     console.outcome(
         "dpo",
         {

@@ -46,8 +46,8 @@ from alignpipe.artifacts import (
 )
 from alignpipe.context import ImageNeed, StageContext
 from alignpipe.data.schema import transcript
-from alignpipe.engines.local import training
 from alignpipe.engines.local.publish import write_hf_manifest
+from alignpipe.engines.local.torch_threads import apply_torch_threads
 from alignpipe.errors import AlignpipeError, ConfigError
 from alignpipe.measure.generation import Prompt
 from alignpipe.measure.heldout import MEASURES_FILE, SAMPLES_FILE
@@ -408,7 +408,7 @@ def run(ctx: StageContext) -> None:
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    training.apply_torch_threads(ctx)  # tiny: 1 thread (benchmarks/RESULTS.md)
+    apply_torch_threads(ctx)  # tiny: 1 thread (benchmarks/RESULTS.md)
     export = ctx.settings.export
     dtype = export.dtype
     manifest = source_manifest(ctx)

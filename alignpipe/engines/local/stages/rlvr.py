@@ -19,7 +19,7 @@ from alignpipe.settings import RewardShaping
 def verifier_score(shaping: RewardShaping | Mapping[str, Any] | None) -> Callable[..., list[float]]:
     """Verifier scores, shaped; logs the unshaped accuracy so shaping never hides it."""
     from alignpipe.rewards import score_completions
-    from alignpipe.rewards.shaping import shape_rewards, shaping_config
+    from alignpipe.rl.shaping import shape_rewards, shaping_config
 
     cfg = shaping_config(shaping)  # a bad mapping fails here, before any training
 

@@ -6,7 +6,7 @@ preference pairs with NeMo-RL's loss (§8.4): ``mean(-logsigmoid(r_chosen - r_re
 where ``r`` is the score at the last non-pad token. Pairs are conversational, so the chat
 template wraps prompt and answer exactly as it did in SFT.
 
-NeMo-RL ``rm.yaml`` key -> TRL (see also ``training.trl_common_args``):
+NeMo-RL ``rm.yaml`` key -> TRL (see also ``trl_args.trl_common_args``):
 
 | NeMo-RL key                                  | TRL / here                                              |
 |----------------------------------------------|---------------------------------------------------------|
@@ -32,7 +32,12 @@ from typing import Any
 from alignpipe import console
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
-from alignpipe.engines.local import live_log, lora, training
+from alignpipe.engines.local import live_log, lora
+from alignpipe.engines.local.checkpoints import publish_trained, train_then_validate
+from alignpipe.engines.local.micro_batches import length_sorted_micro_batches
+from alignpipe.engines.local.preference_pairs import preference_splits
+from alignpipe.engines.local.torch_threads import apply_torch_threads
+from alignpipe.engines.local.trl_args import refuse_gpu_only_settings, step_budget, trl_common_args
 from alignpipe.errors import UnsupportedSetting
 from alignpipe.measure.heldout import published_samples, scores_file
 from alignpipe.measure.logprobs import LOCAL_DTYPE
@@ -127,7 +132,7 @@ def reference_scores(ctx: StageContext, model, tokenizer) -> dict[str, str]:
 
 def run(ctx: StageContext) -> None:
     # Refuse impossible settings before the (slow) ML imports.
-    training.refuse_gpu_only_settings(ctx)
+    refuse_gpu_only_settings(ctx)
     check_reward_model_cfg(ctx)
     lora.lora_settings(ctx)  # refuses LoRA for the reward model, with the reason
     from datasets import Dataset
@@ -139,14 +144,12 @@ def run(ctx: StageContext) -> None:
     model_path = str(lora.full_policy_dir(ctx, ctx.root / cfg["policy"]["model_name"], LOCAL_DTYPE))
     tokenizer_path = str(ctx.root / get_path(cfg, "policy.tokenizer.name", cfg["policy"]["model_name"]))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    train_pairs, val_pairs = training.preference_splits(ctx, "rm", tokenizer)
+    train_pairs, val_pairs = preference_splits(ctx, "rm", tokenizer)
 
-    training.apply_torch_threads(ctx)
-    trl_args = training.trl_common_args(ctx, "rm", ctx.scratch_dir)
+    apply_torch_threads(ctx)
+    trl_args = trl_common_args(ctx, "rm", ctx.scratch_dir)
     # Validation is ours (the callback below), so the trainer never evaluates by itself.
-    trl_args.update(
-        eval_strategy="no", eval_steps=None, max_steps=training.step_budget(ctx, "rm", len(train_pairs))
-    )
+    trl_args.update(eval_strategy="no", eval_steps=None, max_steps=step_budget(ctx, "rm", len(train_pairs)))
     # The score head is initialised randomly: seed it so a rerun builds the same head.
     set_seed(trl_args["seed"])
     model = load_reward_model(model_path, tokenizer)
@@ -168,7 +171,7 @@ def run(ctx: StageContext) -> None:
     trainer = RewardTrainer(
         model=model,
         args=args,
-        # NeMo-RL's tokens (training.preference_examples), as RewardTrainer's pre-tokenised rows
+        # NeMo-RL's tokens (preference_pairs.preference_examples), as RewardTrainer's pre-tokenised rows
         train_dataset=Dataset.from_list(
             [
                 {"chosen_ids": p["chosen_input_ids"], "rejected_ids": p["rejected_input_ids"]}
@@ -179,14 +182,12 @@ def run(ctx: StageContext) -> None:
         callbacks=[live_log.make_live_callback(live, METRICS), validation],
     )
     # A pair is scored as two rows padded together: its longer answer sets its width.
-    training.length_sorted_micro_batches(
-        trainer, lambda row: max(len(row["chosen_ids"]), len(row["rejected_ids"]))
-    )
-    model = training.train_then_validate(ctx, trainer, live, METRICS, validation, "rm", bool(val_pairs))
+    length_sorted_micro_batches(trainer, lambda row: max(len(row["chosen_ids"]), len(row["rejected_ids"])))
+    model = train_then_validate(ctx, trainer, live, METRICS, validation, "rm", bool(val_pairs))
 
     extra = {"reward_model_type": "bradley_terry"}
     files = reference_scores(ctx, model, tokenizer)
-    metrics = training.publish_trained(ctx, "reward_model", model, tokenizer, live, extra=extra, files=files)
+    metrics = publish_trained(ctx, "reward_model", model, tokenizer, live, extra=extra, files=files)
     acc = metrics.get("val/pairwise_accuracy")
     console.outcome(
         "rm", {"val/pairwise_accuracy": acc}, ctx.output("reward_model").relative_to(ctx.root), ctx.started

@@ -45,9 +45,9 @@ from alignpipe.artifacts import (
 )
 from alignpipe.context import ImageNeed, StageContext
 from alignpipe.data.schema import transcript
-from alignpipe.engines.local import training
-from alignpipe.engines.local.convert import make_shareable
 from alignpipe.engines.local.publish import write_record
+from alignpipe.engines.local.stages.convert import make_shareable
+from alignpipe.engines.local.torch_threads import apply_torch_threads
 from alignpipe.errors import ConfigError
 from alignpipe.measure.benchmarks import doc_scores, max_drops, read_scores
 from alignpipe.measure.heldout import (
@@ -303,7 +303,7 @@ def run(ctx: StageContext) -> None:
 
     settings = ctx.settings.heldout
     on_vllm = drawing_backend(settings) == "vllm"  # vLLM is here whenever it was asked for
-    training.apply_torch_threads(ctx)  # tiny: 1 thread (benchmarks/RESULTS.md)
+    apply_torch_threads(ctx)  # tiny: 1 thread (benchmarks/RESULTS.md)
     ev = ctx.settings.evaluate
     entries = ev.policies
     names = [e.name for e in entries]

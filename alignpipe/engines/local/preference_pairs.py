@@ -1,0 +1,60 @@
+"""Preference data for the local rm and dpo stages: prepared rows -> tokenised (chosen, rejected)
+pairs as NeMo-RL's ``preference_preprocessor`` makes them, and the train and validation splits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from alignpipe.config import get_path
+from alignpipe.context import StageContext
+from alignpipe.jsonl import read_jsonl
+from alignpipe.measure.generation import prompt_messages
+from alignpipe.tokenise import preference_example
+
+
+def preference_examples(
+    tokenizer, rows: list[dict[str, Any]], cfg: dict[str, Any], system: str | None = None
+) -> list[dict[str, Any]]:
+    """Prepared preference rows -> pairs tokenised as NeMo-RL's ``preference_preprocessor`` does
+    (``alignpipe.tokenise.preference_example``): the keys are NeMo-RL's
+    ``data.default.{prompt,chosen,rejected}_key``, the length limit ``data.max_input_seq_length``,
+    and the prompt follows the stage's system turn (``system``) when it has one."""
+    keys = [get_path(cfg, f"data.default.{k}_key", k) or k for k in ("prompt", "chosen", "rejected")]
+    limit = int(get_path(cfg, "data.max_input_seq_length"))
+    return [
+        preference_example(
+            tokenizer,
+            prompt_messages(row[keys[0]], system),
+            {"role": "assistant", "content": row[keys[1]]},
+            {"role": "assistant", "content": row[keys[2]]},
+            max_length=limit,
+        )
+        for row in rows
+    ]
+
+
+def preference_splits(ctx: StageContext, algo: str, tokenizer) -> tuple[list[dict], list[dict]]:
+    """Tokenised train and validation pairs of a preference stage; validation capped at
+    ``<algo>.val_batches x val_global_batch_size`` pairs (``-1``: all, as in NeMo-RL).
+
+    A pair NeMo-RL keeps at weight 0 (too long) trains and counts nothing there; TRL has no
+    per-pair weight, so it is left out here (named on the console)."""
+    cfg = ctx.config
+
+    def pairs(path: str, split: str) -> list[dict]:
+        rows = preference_examples(tokenizer, read_jsonl(ctx.root / path), cfg, ctx.system_prompt)
+        kept = [r for r in rows if r["weight"] > 0]
+        if len(kept) < len(rows):
+            limit = get_path(cfg, "data.max_input_seq_length")
+            print(f"{ctx.name}: {len(rows) - len(kept)} {split} pairs longer than data.max_input_seq_length={limit} "
+                  "left out (NeMo-RL gives them weight 0)", flush=True)  # fmt: skip
+        return kept
+
+    train = pairs(cfg["data"]["train"]["data_path"], "train")
+    val_path = get_path(cfg, "data.validation.data_path")
+    val = pairs(val_path, "validation") if val_path else []
+    batches = int(get_path(cfg, f"{algo}.val_batches", -1) or -1)
+    if batches > 0:
+        val = val[: batches * int(get_path(cfg, f"{algo}.val_global_batch_size", 32))]
+    return train, val

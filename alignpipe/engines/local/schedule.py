@@ -1,0 +1,67 @@
+"""NeMo-RL's learning-rate schedule (``policy.scheduler``) on an HF Trainer: the factor its
+``SequentialLR`` gives at each optimizer step, stepped by a ``LambdaLR`` in place of HF's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from alignpipe.config import get_path
+from alignpipe.errors import UnsupportedSetting
+
+
+def lr_factor(cfg: dict[str, Any], where: str = "the stage's config") -> Callable[[int], float]:
+    """NeMo-RL's ``policy.scheduler`` as a function of the optimizer step: the factor on the base
+    learning rate that its ``SequentialLR`` over the listed ``LinearLR``/``ConstantLR`` gives
+    (torch's closed forms). HF's ``constant_with_warmup`` would start the warm-up at 0, where
+    NeMo-RL's ``LinearLR(start_factor=0.1)`` starts at a tenth. Other schedulers are refused."""
+    entries = get_path(cfg, "policy.scheduler") or []
+    if isinstance(entries, dict):
+        entries = [entries]
+    phases: list[tuple[str, dict[str, Any]]] = []
+    milestones: list[int] = []
+    for entry in entries:
+        if "milestones" in entry and "name" not in entry:
+            milestones = [int(m) for m in entry["milestones"]]
+            continue
+        name = str(entry.get("name", "")).rsplit(".", 1)[-1]
+        if name not in ("LinearLR", "ConstantLR"):
+            raise UnsupportedSetting(
+                f"policy.scheduler {entry.get('name')!r} in {where}: the local engine reproduces "
+                "torch.optim.lr_scheduler.LinearLR and ConstantLR (NeMo-RL's warm-up then constant)"
+            )
+        phases.append((name, dict(entry.get("kwargs") or {})))
+    if not phases:
+        return lambda step: 1.0
+    if len(milestones) != len(phases) - 1:
+        raise UnsupportedSetting(
+            f"policy.scheduler in {where}: {len(phases)} schedulers need {len(phases) - 1} milestones"
+        )
+
+    def one(name: str, kw: dict[str, Any], t: int) -> float:
+        if name == "LinearLR":
+            start, end = float(kw.get("start_factor", 1 / 3)), float(kw.get("end_factor", 1.0))
+            total = int(kw.get("total_iters", 5))
+            return start + (end - start) * min(t, total) / total if total else end
+        return float(kw.get("factor", 1 / 3)) if t < int(kw.get("total_iters", 5)) else 1.0
+
+    def factor(step: int) -> float:
+        k = sum(step >= m for m in milestones)
+        return one(*phases[k], step - (milestones[k - 1] if k else 0))
+
+    return factor
+
+
+def use_nemo_rl_schedule(trainer, cfg: dict[str, Any], where: str = "the stage's config") -> None:
+    """Make ``trainer`` (any HF Trainer) step :func:`lr_factor` instead of its own schedule."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    factor = lr_factor(cfg, where)
+
+    def create_scheduler(num_training_steps: int, optimizer=None):
+        if trainer.lr_scheduler is None:
+            trainer.lr_scheduler = LambdaLR(optimizer or trainer.optimizer, factor)
+        return trainer.lr_scheduler
+
+    trainer.create_scheduler = create_scheduler
