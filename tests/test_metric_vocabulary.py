@@ -21,11 +21,15 @@ LOCAL_ONLY = {
     "sft": {"train/token_accuracy", "val/token_accuracy"},
     "dpo": {"train/reward_margin", "val/reward_margin", "val/kl_to_reference"},
     "rm": {"train/reward_margin", "val/reward_margin"},
+    # The validation accuracy's interval needs the count of answers behind it, which NeMo-RL's
+    # TensorBoard logs do not carry.
     "rlvr": {"train/reward_std", "train/frac_zero_std_groups", "train/clip_fraction", "val/reward_std",
-             "train/verifier_accuracy", "val/reward_mean"},
+             "train/verifier_accuracy", "val/reward_mean", "val/verifier_accuracy_low",
+             "val/verifier_accuracy_high"},
     "rlhf": {"train/reward_std", "train/frac_zero_std_groups", "train/clip_fraction", "val/reward_std",
              "train/verifier_accuracy", "train/rm_score", "train/judge_parse_fail_fraction",
-             "val/verifier_accuracy", "val/rm_score"},
+             "val/verifier_accuracy", "val/rm_score", "val/verifier_accuracy_low",
+             "val/verifier_accuracy_high"},
 }  # fmt: skip
 NEMO_RL_ONLY = {
     "dpo": {"train/preference_loss"},

@@ -29,7 +29,8 @@ from tests.conftest import OFFLINE, run_cli, set_params, set_writable, writable_
 pytestmark = pytest.mark.slow
 
 GRPO = {
-    "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 4, "max_num_steps": 4},
+    # Validated at the start and at each checkpoint (the learning curve): a resume replays it.
+    "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 4, "max_num_steps": 4, "val_period": 2},
     "policy": {"train_global_batch_size": 32, "train_micro_batch_size": 32},
     "checkpointing": {"save_period": 2},
 }

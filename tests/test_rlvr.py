@@ -67,6 +67,52 @@ def test_verifiable_rewards_raise_heldout_accuracy_over_sft(rlvr_repo):
     assert curve(rlvr_repo, "rlvr", "train/kl")[-1] > 0  # beta > 0: the drift is measured
 
 
+def steps(root: Path, stage: str, name: str) -> list[int]:
+    path = root / "results" / stage / "plots" / "metrics" / f"{name}.tsv"
+    with path.open() as f:
+        return [int(row["step"]) for row in csv.DictReader(f, delimiter="\t")]
+
+
+def test_the_learning_curve_is_validation_accuracy_with_its_interval(rlvr_repo):
+    """The committed profile validates at the start, every 10 GRPO steps and at the end, each
+    of the 200 validation prompts sampled once: accuracy rises from the SFT policy's, and each
+    point carries its 95% Wilson interval over those 200 answers."""
+    from alignpipe.measure.intervals import wilson
+
+    accuracy = curve(rlvr_repo, "rlvr", "val/verifier_accuracy")
+    low, high = (
+        curve(rlvr_repo, "rlvr", "val/verifier_accuracy_low"),
+        curve(rlvr_repo, "rlvr", "val/verifier_accuracy_high"),
+    )
+    at = steps(rlvr_repo, "rlvr", "val/verifier_accuracy")
+    per_grpo_step = at[1] // 10
+    assert at == [i * 10 * per_grpo_step for i in range(6)], at  # 0, 10, ..., 50 GRPO steps
+    for a, lo, hi in zip(accuracy, low, high, strict=True):
+        assert round(a * 200, 6) == round(a * 200)  # a share of the 200 answers
+        assert (lo, hi) == pytest.approx(wilson(round(a * 200), 200))
+    assert accuracy[-1] > high[0], (accuracy, high)  # the gain is beyond step 0's interval
+
+
+def test_validation_leaves_the_trained_policy_unchanged(trained_sft, tmp_path):
+    """Validation samples from its own copy of the random state: the same GRPO run with
+    validation every 2 steps and without it publishes the same weights; the zero-reward guard
+    watches rollouts only."""
+    short = {
+        "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 4, "max_num_steps": 4},
+        "policy": {"train_global_batch_size": 32, "train_micro_batch_size": 32},
+    }
+    runs = {}
+    for name, val in (("on", {"val_period": 2, "val_at_start": True}), ("off", {"val_period": 0})):
+        root = writable_copy(trained_sft, tmp_path / name / "repo")
+        set_params(root, {"rlvr": {**short, "grpo": {**short["grpo"], **val}}})
+        run_cli(root, "run", "rlvr", env={"ALIGNPIPE_SCRATCH": str(tmp_path / name / "scratch")})
+        runs[name] = root
+    weights = [(r / "models/rlvr/model.safetensors").read_bytes() for r in runs.values()]
+    assert weights[0] == weights[1]
+    assert steps(runs["on"], "rlvr", "val/verifier_accuracy") == [0, 2, 4]
+    assert not (runs["off"] / "results/rlvr/plots/metrics/val").exists()
+
+
 # What an operator reads off every GRPO stage's results/<stage>/metrics.json "train" section.
 GRPO_TRAIN_METRICS = (
     "reward_mean",

@@ -108,6 +108,21 @@ _GRPO = (
 # NeMo-RL's validation/accuracy is the mean validation reward: the verifier's for rlvr, the RM's
 # for rlhf. NeMo-Gym reports the same as validation/total_reward/mean.
 _VALIDATION_REWARD = ("validation/accuracy", "validation/total_reward/mean")
+# The learning curve's uncertainty: validation accuracy's 95% Wilson interval (local only).
+_VALIDATION_INTERVAL = (
+    Metric(
+        "val/verifier_accuracy_low",
+        "eval_verifier_accuracy_low",
+        (),
+        "lower end of validation accuracy's 95% Wilson interval (local only)",
+    ),
+    Metric(
+        "val/verifier_accuracy_high",
+        "eval_verifier_accuracy_high",
+        (),
+        "upper end of validation accuracy's 95% Wilson interval (local only)",
+    ),
+)
 
 VOCABULARY: dict[str, tuple[Metric, ...]] = {
     "sft": (
@@ -172,6 +187,7 @@ VOCABULARY: dict[str, tuple[Metric, ...]] = {
             _VALIDATION_REWARD,
             "verifier accuracy of validation answers",
         ),
+        *_VALIDATION_INTERVAL,
         Metric(
             "train/verifier_accuracy", "verifier_accuracy", (), "verifier accuracy of rollouts (local only)"
         ),
@@ -197,6 +213,7 @@ VOCABULARY: dict[str, tuple[Metric, ...]] = {
             (),
             "verifier accuracy on validation (local only)",
         ),
+        *_VALIDATION_INTERVAL,
         Metric("val/rm_score", "eval_rm_score", (), "raw reward-model score on validation (local only)"),
     ),
 }

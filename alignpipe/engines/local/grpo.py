@@ -249,11 +249,25 @@ def kl_settings(cfg: dict[str, Any]) -> dict[str, float | None]:
 def make_trainer_class():
     """Built lazily so importing this module does not import TRL."""
     import torch
+    from transformers import Trainer
     from trl import GRPOTrainer
 
+    from alignpipe.measure.intervals import wilson
     from alignpipe.rl.advantages import step_advantages
 
-    class AlignGRPOTrainer(GRPOTrainer):
+    class ValidationInterval(Trainer):
+        """Validation accuracy with its 95% Wilson interval over the answers it scored. Sits
+        between GRPOTrainer and Trainer in the MRO: GRPOTrainer.log adds the averaged
+        ``eval_*`` metrics, and Trainer.log records them in the history a resume replays."""
+
+        def log(self, logs, *args, **kwargs):
+            if "eval_verifier_accuracy" in logs and self.eval_dataset is not None:
+                n = len(self.eval_dataset) * self.args.num_generations_eval
+                low, high = wilson(round(logs["eval_verifier_accuracy"] * n), n)
+                logs = {**logs, "eval_verifier_accuracy_low": low, "eval_verifier_accuracy_high": high}
+            return super().log(logs, *args, **kwargs)
+
+    class AlignGRPOTrainer(GRPOTrainer, ValidationInterval):
         """GRPOTrainer whose advantages follow NeMo-RL v0.7.0 (leave-one-out baseline optional)."""
 
         def __init__(
@@ -281,6 +295,19 @@ def make_trainer_class():
             adv = step_advantages(rewards, prompt_ids, **self.advantage_settings)
             output["advantages"] = adv.to(device=advantages.device, dtype=advantages.dtype)
             return output
+
+        def evaluate(self, *args, **kwargs):
+            """NeMo-RL's validation: each validation prompt sampled once (``num_generations_eval``
+            is 1) and scored by the stage's reward. It draws from its own copy of the random
+            state, so turning validation on or off leaves what trains unchanged, and the zero-reward
+            guard watches rollouts only."""
+            reward_fn = self.reward_funcs[0]
+            guard, reward_fn.guard = reward_fn.guard, None
+            try:
+                with torch.random.fork_rng(devices=[]):
+                    return super().evaluate(*args, **kwargs)
+            finally:
+                reward_fn.guard = guard
 
         def _compute_loss(self, model, inputs):
             """TRL's clipped policy-gradient loss without its KL term, plus NeMo-RL's KL term
@@ -347,11 +374,12 @@ def grpo_args(ctx: StageContext, output_dir: Path) -> dict[str, Any]:
         max_steps=int(get_path(cfg, "grpo.max_num_steps", 100)) * opt_per_grpo,
         save_steps=args["save_steps"] * opt_per_grpo,
         eval_steps=val_period * opt_per_grpo if val_period else None,
+        eval_on_start=bool(val_period and get_path(cfg, "grpo.val_at_start", False)),
         per_device_eval_batch_size=val_bs,
         logging_steps=1,
         generation_batch_size=rollouts,
         num_generations=group,
-        num_generations_eval=group,
+        num_generations_eval=1,  # NeMo-RL's validate() samples each validation prompt once
         max_completion_length=int(gen.get("max_new_tokens", 16)),
         temperature=float(gen.get("temperature", 1.0)),
         top_p=float(gen.get("top_p", 1.0) or 1.0),
@@ -372,6 +400,11 @@ def grpo_args(ctx: StageContext, output_dir: Path) -> dict[str, Any]:
         remove_unused_columns=False,
     )
     return args
+
+
+def validated(state) -> bool:
+    """Whether the current step already ran a validation (periodic, or before a resume)."""
+    return any(e.get("step") == state.global_step and "eval_reward" in e for e in state.log_history)
 
 
 def conversational(rows: list[dict[str, Any]], system: str | None = None) -> list[dict[str, Any]]:
@@ -454,8 +487,8 @@ def run_grpo(
     if adapter:
         lora.prepare(ctx, trainer.model, adapter, policy_path, int(get_path(cfg, "grpo.seed", ctx.seed)))
     train_resumable(ctx, trainer, live, names)
-    if val is not None and get_path(cfg, "grpo.val_at_end", False):
-        live_log.log_to_live(live, names, trainer.evaluate(), trainer.state.global_step)
+    if val is not None and get_path(cfg, "grpo.val_at_end", False) and not validated(trainer.state):
+        trainer.evaluate()  # logged through the live callback, as the periodic ones are
     policy = trainer.model
     policy.eval()
 
