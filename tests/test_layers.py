@@ -1,6 +1,7 @@
 """The layering of docs/ARCHITECTURE.md, checked by import-linter's contracts in pyproject.toml
 ([tool.importlinter]): errors < ground floor < launch < engines < stage < cli, the two engines
-independent, and no import circle among siblings."""
+independent, the local engine's shared pieces below its stage modules, and no import circle
+among siblings."""
 
 from __future__ import annotations
 
@@ -35,3 +36,17 @@ def test_an_upward_import_breaks_the_layers(tmp_path):
     result = lint_imports(tmp_path)
     assert result.returncode != 0
     assert "alignpipe.jsonl -> alignpipe.stage" in result.stdout, result.stdout
+
+
+def test_a_shared_piece_importing_a_stage_module_is_refused(tmp_path):
+    """The local engine's stage modules sit above what they share: judge.py (used by rlhf)
+    importing a stage module is named."""
+    shutil.copytree(REPO / "alignpipe", tmp_path / "alignpipe", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    with open(tmp_path / "alignpipe" / "engines" / "local" / "judge.py", "a") as f:
+        f.write("\nfrom alignpipe.engines.local.stages import sft  # noqa\n")
+    result = lint_imports(tmp_path)
+    assert result.returncode != 0
+    assert "the local engine's shared pieces never import a stage module BROKEN" in result.stdout, (
+        result.stdout
+    )
