@@ -359,7 +359,7 @@ def test_stage_runs_in_container_and_outputs_belong_to_the_user(test_image: str,
 
 def edit_workspace_code(ws: Path) -> None:
     """A change to the repository's package, as a user makes between two `dvc repro`s."""
-    base = ws / "alignpipe" / "engines" / "local" / "base.py"
+    base = ws / "alignpipe" / "engines" / "local" / "stages" / "base.py"
     text = base.read_text()
     assert "def run(ctx: StageContext) -> None:\n" in text
     base.write_text(text.replace("def run(ctx: StageContext) -> None:\n",

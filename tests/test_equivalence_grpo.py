@@ -186,7 +186,10 @@ def local_trainer(loss_fn: dict, policy: Path, tmp: Path):
     params["rlvr"] = {**(params.get("rlvr") or {}), "loss_fn": loss_fn}
     ctx = build_context(REPO, "rlvr", params=params)
     model, tokenizer = load_policy(policy)
-    args = GRPOConfig(**{**grpo.grpo_args(ctx, tmp), "report_to": []})
+    # No validation set here: the loss is what is compared, so no validation pass either.
+    args = GRPOConfig(
+        **{**grpo.grpo_args(ctx, tmp), "report_to": [], "eval_strategy": "no", "eval_on_start": False}
+    )
     trainer = grpo.make_trainer_class()(
         model=model,
         reward_funcs=[grpo.RewardFn(lambda *a: [])],

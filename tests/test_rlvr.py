@@ -88,7 +88,7 @@ def test_the_learning_curve_is_validation_accuracy_with_its_interval(rlvr_repo):
     per_grpo_step = at[1] // 10
     assert at == [i * 10 * per_grpo_step for i in range(6)], at  # 0, 10, ..., 50 GRPO steps
     for a, lo, hi in zip(accuracy, low, high, strict=True):
-        assert round(a * 200, 6) == round(a * 200)  # a share of the 200 answers
+        assert abs(a * 200 - round(a * 200)) < 1e-4  # a share of the 200 answers (DVCLive keeps float32)
         assert (lo, hi) == pytest.approx(wilson(round(a * 200), 200))
     assert accuracy[-1] > high[0], (accuracy, high)  # the gain is beyond step 0's interval
 

@@ -96,10 +96,27 @@ def math_verify_one(gold: str, pred: str) -> float:
     return float(score)
 
 
-def _worker_main(conn: Connection, fn: Callable[..., Any]) -> None:
-    """Worker loop: receive an argument tuple, send back ``("ok", value)`` or ``("error", msg)``."""
+def warm_math_verify() -> None:
+    """Import math-verify and parse and verify one pair with its alarms off, before the worker
+    reports ready: on a loaded machine the first item's imports (about 1 s on an idle core) ran
+    past the per-item deadline, and two correct answers scored 0 (benchmarks/RESULTS.md)."""
+    from math_verify import parse, verify
+
+    verify(parse("\\boxed{\\frac{1}{2}}", parsing_timeout=None), parse("$0.5$", parsing_timeout=None),
+           timeout_seconds=None)  # fmt: skip
+    math_verify_one("1", "1")
+
+
+def _worker_main(conn: Connection, fn: Callable[..., Any], warm_up: Callable[[], None] | None = None) -> None:
+    """Worker loop: receive an argument tuple, send back ``("ok", value)`` or ``("error", msg)``.
+    ``warm_up()`` runs first, inside the start-up allowance, not an item's deadline."""
     # Quiet math-verify's "could not extract" warnings: they are per-item noise.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
+    if warm_up is not None:
+        try:
+            warm_up()
+        except Exception:  # noqa: BLE001 - the items will report what is wrong
+            pass
     try:
         conn.send(("ready", os.getpid()))
     except (BrokenPipeError, OSError):
@@ -127,9 +144,9 @@ def _worker_main(conn: Connection, fn: Callable[..., Any]) -> None:
 class _Worker:
     __slots__ = ("proc", "conn", "task", "deadline", "ready")
 
-    def __init__(self, ctx, fn: Callable[..., Any]) -> None:
+    def __init__(self, ctx, fn: Callable[..., Any], warm_up: Callable[[], None] | None = None) -> None:
         parent, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, fn), daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, fn, warm_up), daemon=True)
         self.proc.start()
         child.close()
         self.conn: Connection = parent
@@ -171,8 +188,10 @@ class WorkerPool:
         num_workers: int | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         start_method: str | None = None,
+        warm_up: Callable[[], None] | None = None,
     ) -> None:
         self.fn = fn
+        self.warm_up = warm_up  # run by each worker before it is ready (module-level, picklable)
         self.num_workers = num_workers or _default_workers()
         self.timeout_s = timeout_s
         if start_method is None:
@@ -185,7 +204,7 @@ class WorkerPool:
         self.closed = False
 
     def _spawn(self) -> _Worker:
-        return _Worker(self._ctx, self.fn)
+        return _Worker(self._ctx, self.fn, self.warm_up)
 
     def map(
         self,
@@ -305,7 +324,7 @@ def get_math_pool() -> WorkerPool:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None or _POOL.closed or _POOL._pid != os.getpid():
-            _POOL = WorkerPool(math_verify_one)
+            _POOL = WorkerPool(math_verify_one, warm_up=warm_math_verify)
         return _POOL
 
 

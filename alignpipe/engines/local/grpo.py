@@ -365,7 +365,11 @@ def grpo_args(ctx: StageContext, output_dir: Path) -> dict[str, Any]:
         )
     # NeMo-RL counts GRPO steps (one rollout batch each); TRL counts optimizer steps.
     opt_per_grpo = rollouts // global_bs
-    val_period = int(get_path(cfg, "grpo.val_period", 0) or 0)
+    # Validation needs validation prompts: without them run_grpo has no set to pass (NeMo-RL
+    # would fail at its dataloader), so the period is ignored rather than TRL refusing to start.
+    val_period = (
+        int(get_path(cfg, "grpo.val_period", 0) or 0) if get_path(cfg, "data.validation.data_path") else 0
+    )
     gen = get_path(cfg, "policy.generation", {}) or {}
     loss = get_path(cfg, "loss_fn", {}) or {}
     top_k = gen.get("top_k")
@@ -373,6 +377,7 @@ def grpo_args(ctx: StageContext, output_dir: Path) -> dict[str, Any]:
     args.update(
         max_steps=int(get_path(cfg, "grpo.max_num_steps", 100)) * opt_per_grpo,
         save_steps=args["save_steps"] * opt_per_grpo,
+        eval_strategy="steps" if val_period else "no",
         eval_steps=val_period * opt_per_grpo if val_period else None,
         eval_on_start=bool(val_period and get_path(cfg, "grpo.val_at_start", False)),
         per_device_eval_batch_size=val_bs,

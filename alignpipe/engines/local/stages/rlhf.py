@@ -78,7 +78,12 @@ def rm_score_fn(scorer: RewardModelScorer, bounds: list[float | None] | None) ->
 def judge_score_fn(judge_cfg: Judge, generate, group_size: int) -> Callable[..., list[float | None]]:
     def score(rows: list[dict], texts: list[str], num_tokens: list[int], log_metric) -> list[float | None]:
         prompts = [transcript(r["prompt"]) for r in rows]
-        rewards, fail = judge_rewards(judge_cfg, generate, prompts, texts, group_size)
+        # Rollouts come as groups of identical prompts; validation answers each prompt once,
+        # and a pairwise judge then has no anchor to compare with (each answer scores 0.5).
+        grouped = len(prompts) % group_size == 0 and all(
+            p == prompts[i - i % group_size] for i, p in enumerate(prompts)
+        )
+        rewards, fail = judge_rewards(judge_cfg, generate, prompts, texts, group_size if grouped else 1)
         log_metric("judge_parse_fail_fraction", fail)
         return rewards
 
