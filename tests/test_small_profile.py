@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow
 HELDOUT = {"alignpipe": {"heldout": {"limit": 16}}}  # the same in every stage: samples are reused
 REDUCED = {
     "sft": {"sft": {"max_num_steps": 8, "val_global_batch_size": 8, "val_micro_batch_size": 8}, **HELDOUT},
-    "rlvr": {"grpo": {"max_num_steps": 2}, **HELDOUT},
+    # Validation on 8 prompts, not the profile's 64: the test reads no learning curve.
+    "rlvr": {"grpo": {"max_num_steps": 2, "max_val_samples": 8, "val_batch_size": 8}, **HELDOUT},
     "convert": {"alignpipe": {"export": {"verify": {"prompts": 2}}}},
     "benchmark": {"alignpipe": {"benchmark": {"tasks": [
         {"name": "heldout_boxed", "limit": 8}, {"name": "preference_choice", "limit": 8}]}}},

@@ -309,6 +309,17 @@ def make_trainer_class():
             finally:
                 reward_fn.guard = guard
 
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            """A validation batch is generated and scored, as NeMo-RL's validate() does, and that
+            is all: TRL's own step also computed the reference's and the policy's log-probs for a
+            loss no validation metric reports (two forward passes, most of a pass's cost)."""
+            beta, self.beta = self.beta, 0.0  # TRL computes reference log-probs when beta != 0
+            try:
+                self._prepare_inputs(inputs)  # eval mode: generates, scores, records the metrics
+            finally:
+                self.beta = beta
+            return None, None, None
+
         def _compute_loss(self, model, inputs):
             """TRL's clipped policy-gradient loss without its KL term, plus NeMo-RL's KL term
             (:func:`reference_kl`: clamped, on-policy weighted), reduced as TRL reduces the rest."""
