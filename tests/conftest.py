@@ -38,7 +38,7 @@ if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
 # NeMo-RL's runtime code (a process importing NeMo-RL, often with Ray) is `upstream`. The quick
 # tier (`make test-quick`: -m "not slow and not upstream and not container and not slurm and
 # not ray") runs neither.
-TRAINING_FIXTURES = ("trained_sft", "tiny_pipeline")
+TRAINING_FIXTURES = ("trained_sft", "tiny_pipeline", "prepared_repo")
 UPSTREAM_FIXTURES = ("nemo_rl_runtime", "dcp_run", "megatron_run")  # the last two: NeMo-RL's checkpointing
 
 
@@ -306,6 +306,26 @@ GIT_ENV = {
     "GIT_COMMITTER_NAME": "t",
     "GIT_COMMITTER_EMAIL": "t@t",
 }
+
+
+@pytest.fixture(scope="session")
+def prepared_repo(tmp_path_factory) -> Path:
+    """A git + DVC copy of the project where `dvc repro base` has run (single-turn data) and is
+    committed, with its outputs in the copy's DVC cache: a checkout about to train, for tests
+    that drive `dvc repro` of a trainer and would otherwise prepare data and build the base
+    again each (two stage processes). Read-only; tests work on ``writable_copy``."""
+
+    def build(tmp: Path) -> None:
+        root = copy_repo(tmp / "repo", git=True)
+        set_params(root, SINGLE_TURN)
+        env = {**os.environ, **OFFLINE, **GIT_ENV, "ALIGNPIPE_SCRATCH": str(tmp / "scratch")}
+        repro = subprocess.run(["dvc", "repro", "base"], cwd=root, env=env, capture_output=True, text=True)
+        if repro.returncode != 0:
+            raise AssertionError(f"dvc repro base failed:\n{repro.stdout[-4000:]}\n{repro.stderr[-4000:]}")
+        commit_all(root)
+        set_writable(root, False)
+
+    return build_once(tmp_path_factory, "prepared", build) / "repo"
 
 
 @dataclass(frozen=True)

@@ -327,7 +327,7 @@ def test_the_pipeline_reproduces_its_lock_and_an_rlhf_experiment_reruns_only_its
         return proc.stdout
 
     steps = json.loads((root / "results" / "rlhf" / "metrics.json").read_text())["step"]
-    ran = re.findall(r"Running stage '([^']+)'", dvc("exp", "run", "-S", "rlhf.grpo.max_num_steps=10"))
+    ran = re.findall(r"Running stage '([^']+)'", dvc("exp", "run", "-S", "rlhf.grpo.max_num_steps=2"))
     assert sorted(ran) == ["benchmark@rlhf", "convert@rlhf", "evaluate", "rlhf"], ran
     shown = json.loads(dvc("metrics", "show", "--json"))[""]["data"]
     for policy in ("base", "sft", "dpo", "rlvr", "rlhf"):

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import OFFLINE, SINGLE_TURN, copy_repo, set_params
+from tests.conftest import OFFLINE, set_params, writable_copy
 
 
 def stage_processes(root: Path) -> list[psutil.Process]:
@@ -36,11 +36,13 @@ def stage_processes(root: Path) -> list[psutil.Process]:
 # stage is dvc's child; Debian's sh (dash) forks and waits, so a shell sits between them.
 @pytest.mark.slow
 @pytest.mark.parametrize("shell", ["/bin/bash", "/bin/sh"])
-def test_sigterm_to_dvc_alone_stops_the_stage_and_repro_resumes(tmp_path: Path, shell: str) -> None:
-    root = copy_repo(tmp_path / "repo", git=True)
+def test_sigterm_to_dvc_alone_stops_the_stage_and_repro_resumes(
+    prepared_repo: Path, tmp_path: Path, shell: str
+) -> None:
+    root = writable_copy(prepared_repo, tmp_path / "repo")
     # An orphaned trainer either outlives dvc by 10 s (caught below) or finishes and publishes
     # models/sft (caught after): 150 steps is about 20 s of training here, and the resume pays it.
-    set_params(root, {"sft": {"sft": {"max_num_steps": 150}}, **SINGLE_TURN})
+    set_params(root, {"sft": {"sft": {"max_num_steps": 150}}})
     cfg = root / "stages" / "sft" / "config" / "tiny.yaml"
     cfg.write_text(cfg.read_text().replace("save_period: 50", "save_period: 10"))
     scratch = tmp_path / "scratch"
@@ -87,12 +89,10 @@ def _dvc(root: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedPro
 
 @pytest.mark.slow
 def test_a_killed_stage_leaves_no_partial_metrics_and_checkout_restores_the_last_result(
-    tmp_path: Path,
+    prepared_repo: Path, tmp_path: Path
 ) -> None:
-    root = copy_repo(tmp_path / "repo", git=True)
-    set_params(
-        root, {"sft": {"sft": {"max_num_steps": 40}, "checkpointing": {"save_period": 10}}, **SINGLE_TURN}
-    )
+    root = writable_copy(prepared_repo, tmp_path / "repo")
+    set_params(root, {"sft": {"sft": {"max_num_steps": 40}, "checkpointing": {"save_period": 10}}})
     scratch = tmp_path / "scratch"
     env = {
         **os.environ,
@@ -138,6 +138,6 @@ def test_a_killed_stage_leaves_no_partial_metrics_and_checkout_restores_the_last
     assert sft_metrics == json.loads(committed)
 
     subprocess.run(["git", "checkout", "params.yaml"], cwd=root, env=env, check=True)
-    restored = _dvc(root, "checkout", "sft", env=env)  # the other stages never ran in this copy
+    restored = _dvc(root, "checkout", "sft", env=env)  # the later stages never ran in this copy
     assert restored.returncode == 0, restored.stdout + restored.stderr
     assert (root / "results" / "sft" / "metrics.json").read_text() == committed

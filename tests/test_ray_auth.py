@@ -24,7 +24,7 @@ pytest.register_assert_rewrite("tests.clusters")
 
 from alignpipe.launch import get_launcher  # noqa: E402
 from tests.clusters import RayCluster, ray_head, stage_root  # noqa: E402
-from tests.conftest import OFFLINE, copy_repo, set_params  # noqa: E402
+from tests.conftest import OFFLINE, set_params, writable_copy  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 # Made per run: a fixed string could be found in the repository by accident.
@@ -84,10 +84,10 @@ def alignpipe(root: Path, env: dict[str, str], *args: str) -> subprocess.Complet
 
 @pytest.mark.ray
 def test_dvc_repro_runs_a_stage_with_the_token_and_writes_it_nowhere(
-    token_cluster: RayCluster, tmp_path: Path
+    token_cluster: RayCluster, prepared_repo: Path, tmp_path: Path
 ) -> None:
-    root = copy_repo(tmp_path / "repo", git=True)
-    # prep and base run on this host; sft (a trainer) is handed to the cluster, briefly.
+    root = writable_copy(prepared_repo, tmp_path / "repo")
+    # prep and base are done; sft (a trainer) is handed to the cluster, briefly.
     set_params(root, {"sft": {"sft": {"max_num_steps": 4}}})
     on_ray(root, token_cluster)
     token_file = tmp_path / "secret" / "ray_token"
