@@ -36,8 +36,8 @@ def test_rlhf_raises_the_rm_score_over_the_sft_reference_without_losing_accuracy
     held = metrics["heldout"]
     for key in ("rm_score", "rm_score_reference", "accuracy", "accuracy_reference", "kl_to_reference"):
         assert isinstance(held[key], float), key
-    # The same 300 held-out prompts, scored by the same reward model (measured 3.39 -> 3.88 and
-    # 0.43 -> 0.86 on two CPU kinds), and no held-out accuracy given up for it.
+    # The same 300 held-out prompts, scored by the same reward model (measured 1.43 -> 1.62; the
+    # scale is the RM's own), and no held-out accuracy given up for it.
     assert held["rm_score"] > held["rm_score_reference"], held
     assert held["accuracy"] >= held["accuracy_reference"], held
     assert held["reward_hacking_suspected"] == 0.0
