@@ -1,9 +1,12 @@
 """Where a test run's time goes: per test module, its JUnit seconds, the Python processes its
 tests started and their CPU seconds; and per kind of process (a stage, `dvc`, a Ray worker).
 
-    PYTHONPATH=$PWD/benchmarks/suite_processes SUITE_PROCESS_LOG=/tmp/procs.jsonl \
-        make test PYTEST_ARGS="-q --junitxml=/tmp/junit.xml"
-    python benchmarks/suite_processes.py /tmp/procs.jsonl --junit /tmp/junit.xml
+    mkdir -p build
+    PYTHONPATH=$PWD/benchmarks/suite_processes SUITE_PROCESS_LOG=$PWD/build/procs.jsonl \
+        make test PYTEST_ARGS="-q --junitxml=$PWD/build/junit.xml"
+    python benchmarks/suite_processes.py build/procs.jsonl --junit build/junit.xml
+
+The log's path is absolute ($PWD): the processes it logs run in many directories.
 
 The log comes from benchmarks/suite_processes/sitecustomize.py. The shared fixtures' processes
 (tests/conftest.py's ``build_once`` folders) count as "(fixture NAME)", not against the test that

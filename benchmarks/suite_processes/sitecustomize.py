@@ -3,7 +3,7 @@ and the test that started it (``PYTEST_CURRENT_TEST``, which subprocesses inheri
 
 Used for one measuring run only (benchmarks/suite_processes.py); not part of the package:
 
-    PYTHONPATH=$PWD/benchmarks/suite_processes SUITE_PROCESS_LOG=/tmp/procs.jsonl make test
+    PYTHONPATH=$PWD/benchmarks/suite_processes SUITE_PROCESS_LOG=$PWD/build/procs.jsonl make test
 
 A process killed with SIGKILL (the resume tests' kills) never reaches ``atexit`` and is not logged.
 """
