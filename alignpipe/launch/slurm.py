@@ -9,7 +9,8 @@ bounded wait until every node has joined, then the trainer on the head node with
 That cluster uses Ray's token auth unless ``RAY_AUTH_MODE=disabled`` is exported: every
 step gets the same ``RAY_AUTH_MODE`` and token (made per job unless given).
 
-While the job runs, its log file (``--output``) is streamed to this process's stdout.
+While the job runs, its log file (``--output``) is streamed to this process's stdout, and
+the stage returns as soon as Slurm reports the job ended.
 Ctrl-C or SIGTERM cancels the job (``scancel``) before the stage exits. The job id, script,
 log and node list are written to ``<log_dir>/<stage>-<jobid>.json``, and the job exports
 ``ALIGNPIPE_JOB_ID=slurm:<jobid>`` so the stage records it in its ``artifact.json``.
@@ -36,6 +37,16 @@ from alignpipe.launch.base import JobLauncher, settings_section, shell_join, str
 CANCEL_WAIT_S = 60.0
 # How often the job's log file is checked for new output.
 POLL_S = 0.5
+# `sbatch --wait` checks on its job at 2, 10 and then every 32 s (fewer when MinJobAge is
+# short), so a 10 s job returns after 42 s. Slurm is asked for the job's state instead, at an
+# interval that grows with the job's age (a tenth of it, 1 to 30 s): a prep or convert job
+# returns within a second or two, and an hours-long training job costs one query a half-minute.
+STATE_POLL_MIN_S, STATE_POLL_MAX_S = 1.0, 30.0
+# Slurm's states for a job that has ended (JOB_STATE_BASE names, as scontrol prints them).
+ENDED_STATES = frozenset(
+    ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+     "DEADLINE", "OUT_OF_MEMORY")
+)  # fmt: skip
 
 
 @dataclass
@@ -295,8 +306,18 @@ class SlurmLauncher(JobLauncher):
             flush=True,
         )
         tail = _LogTail(log, out)
+        started = next_state_check = time.monotonic()
         while job.proc.poll() is None:
             tail.pump()
+            now = time.monotonic()
+            if now >= next_state_check:
+                if job_info(job.job_id).get("state") in ENDED_STATES:
+                    job.proc.terminate()  # only `sbatch --wait`'s own polling: the job has ended
+                    job.proc.wait()
+                    job.ended_before_sbatch = True
+                    break
+                wait = min(max((now - started) / 10, STATE_POLL_MIN_S), STATE_POLL_MAX_S)
+                next_state_check = now + wait
             time.sleep(POLL_S)
         tail.finish()
 
@@ -313,7 +334,8 @@ class SlurmLauncher(JobLauncher):
             self._record(job, sbatch_rc=None)
 
     def finish(self, job, out):
-        rc = job.proc.returncode
+        # sbatch stopped by `follow` has no exit code of the job's; Slurm's record has it.
+        rc = None if job.ended_before_sbatch else job.proc.returncode
         if job.job_id is None:
             print(
                 f"alignpipe: sbatch could not submit stage '{job.stage}' (exit {rc}); its error is above",
@@ -321,7 +343,7 @@ class SlurmLauncher(JobLauncher):
             )
             return rc or 1
         info = self._record(job, sbatch_rc=rc)
-        code = job_exit_code(info.get("state"), info.get("exit_code"), rc)
+        code = job_exit_code(info.get("state"), info.get("exit_code"), 1 if rc is None else rc)
         print(
             f"alignpipe: slurm job {job.job_id} {info.get('state') or 'finished'} (exit {code}) "
             f"on {info.get('nodes') or '?'}",
@@ -333,7 +355,8 @@ class SlurmLauncher(JobLauncher):
     def _record(self, job: _SlurmJob, sbatch_rc: int | None) -> dict[str, Any]:
         """Write ``<log_dir>/<stage>-<jobid>.json``: how to find this job again.
 
-        ``sbatch_rc`` is null when the stage was interrupted and the job cancelled.
+        ``sbatch_rc`` is null when the stage was interrupted and the job cancelled, or when
+        Slurm reported the job ended before ``sbatch --wait`` noticed.
         """
         info = job_info(job.job_id)
         log_dir = self.log_dir(job.workdir)
@@ -363,6 +386,7 @@ class _SlurmJob:
     workdir: Path
     script: Path
     job_id: str | None = None  # known once sbatch prints it
+    ended_before_sbatch: bool = False  # Slurm said the job ended; `sbatch --wait` was stopped
 
 
 class _LogTail:
