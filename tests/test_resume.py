@@ -54,7 +54,8 @@ SETTINGS = {
 
 @pytest.fixture(scope="module")
 def with_rm(trained_sft: Path, tmp_path_factory) -> Path:
-    """The shared SFT repo plus a briefly trained reward model (rlhf's input)."""
+    """The shared SFT repo plus a briefly trained reward model: rlhf's input, and the
+    uninterrupted rm run that the killed ones are compared with."""
     root = writable_copy(trained_sft, tmp_path_factory.mktemp("resume") / "repo")
     set_params(root, {"rm": SETTINGS["rm"]})
     run_cli(root, "run", "rm", env={"ALIGNPIPE_SCRATCH": str(root.parent / "scratch")})
@@ -68,6 +69,8 @@ def straight_run(trained_sft, with_rm, tmp_path_factory):
     runs: dict[str, Path] = {}
 
     def get(stage: str) -> Path:
+        if stage == "rm":
+            return with_rm  # trained with the same settings, uninterrupted
         if stage not in runs:
             root, env = _copy(
                 _source(stage, trained_sft, with_rm), tmp_path_factory.mktemp(f"straight_{stage}"), stage

@@ -23,6 +23,7 @@ def _record() -> None:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     row = {
         "pid": os.getpid(),
+        "start": round(_START, 2),  # epoch seconds: what ran at the same time as what
         "wall_s": round(time.time() - _START, 2),
         "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
         "argv": " ".join(sys.argv)[:300],
