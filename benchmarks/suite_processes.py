@@ -8,6 +8,12 @@ tests started and their CPU seconds; and per kind of process (a stage, `dvc`, a 
 
 The log's path is absolute ($PWD): the processes it logs run in many directories.
 
+How busy the machine was, minute by minute (what idle cores a test run leaves), from the
+kernel's counters sampled beside it, whatever ran (killed runs, containers, Slurm jobs too):
+
+    while sleep 5; do echo "$(date +%s) $(head -1 /proc/stat)"; done > build/cpu.log &
+    python benchmarks/suite_processes.py build/procs.jsonl --cpu build/cpu.log
+
 The log comes from benchmarks/suite_processes/sitecustomize.py. The shared fixtures' processes
 (tests/conftest.py's ``build_once`` folders) count as "(fixture NAME)", not against the test that
 happened to be running when they started; the pytest processes' own time is "(pytest)".
@@ -59,12 +65,39 @@ def junit_seconds(path: Path) -> dict[str, float]:
     return out
 
 
+def cpu_busy(path: Path, bucket_s: float = 120.0) -> list[tuple[float, float]]:
+    """``(minutes since the first sample, share of all cores busy)`` per ``bucket_s``, from
+    ``<epoch> cpu user nice system idle iowait irq softirq steal ...`` lines (/proc/stat)."""
+    samples = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) > 6 and parts[1] == "cpu":
+            ticks = [int(v) for v in parts[2:]]
+            samples.append((float(parts[0]), sum(ticks), ticks[3] + ticks[4]))  # idle + iowait
+    out, start = [], samples[0][0] if samples else 0.0
+    first = 0
+    for i in range(1, len(samples)):
+        if samples[i][0] - samples[first][0] >= bucket_s or i == len(samples) - 1:
+            total = samples[i][1] - samples[first][1]
+            idle = samples[i][2] - samples[first][2]
+            out.append(((samples[first][0] - start) / 60, 1 - idle / total if total else 0.0))
+            first = i
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("log", type=Path)
     parser.add_argument("--junit", type=Path)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--cpu", type=Path, help="a /proc/stat sample log (see above)")
     args = parser.parse_args()
+    if args.cpu:
+        busy = cpu_busy(args.cpu)
+        for minute, share in busy:
+            print(f"min {minute:5.1f}  busy {share:6.1%}  " + "#" * round(share * 40))
+        if busy:
+            print(f"mean busy {sum(b for _, b in busy) / len(busy):.1%} over {len(busy)} buckets\n")
     rows = [json.loads(line) for line in args.log.read_text().splitlines() if line.strip()]
     by_module: dict[str, list[dict]] = defaultdict(list)
     by_kind: dict[str, list[dict]] = defaultdict(list)
