@@ -66,12 +66,15 @@ def header(stage: str, engine: str, profile: str, model: str | None) -> float:
 
 
 def outcome(stage: str, headline: dict[str, Any], output: Path | str, started: float) -> None:
-    """One line: the headline metrics, where the result is, and how long it took."""
+    """One line: the headline metrics, where the result is, and how long it took. A value given
+    as ``(value, low, high)`` is shown with its interval: ``0.530 [0.474, 0.586]``."""
     shown = ", ".join(f"{k} {_fmt(v)}" for k, v in headline.items() if v is not None)
     print(f"{stage}: {shown} -> {output} ({time.monotonic() - started:.0f} s)", flush=True)
 
 
 def _fmt(value: Any) -> str:
+    if isinstance(value, tuple) and len(value) == 3:
+        return f"{_fmt(value[0])} [{_fmt(value[1])}, {_fmt(value[2])}]"
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 

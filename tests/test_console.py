@@ -4,6 +4,7 @@ the libraries' raw output goes to logs/<stage>.log."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import subprocess
@@ -33,7 +34,12 @@ def test_a_stage_prints_a_header_a_plain_bar_and_one_outcome_line(sft_repo: Path
     bar = [line for line in lines if line.startswith("sft step ")]
     assert 2 <= len(bar) <= 11, bar  # about ten lines over the run when stderr is no terminal
     assert all(re.match(rf"sft step \d+/20  {SPEED_ETA}", line) for line in bar), bar
-    assert re.fullmatch(r"sft: heldout/accuracy \d\.\d{3} -> models/sft \(\d+ s\)", lines[-1]), lines[-1]
+    # The held-out accuracy with its 95% interval, as results/sft/metrics.json records them.
+    shown = re.fullmatch(r"sft: heldout/accuracy (\S+) \[(\S+), (\S+)\] -> models/sft \(\d+ s\)", lines[-1])
+    assert shown, lines[-1]
+    held = json.loads((sft_repo / "results" / "sft" / "metrics.json").read_text())["heldout"]
+    want = (held["accuracy"], held["intervals"]["accuracy"]["low"], held["intervals"]["accuracy"]["high"])
+    assert shown.groups() == tuple(f"{v:.3f}" for v in want), (lines[-1], held)
     # No HF-Trainer log dicts, dataset-map or shard-writing bars on the console ...
     for noise in ("{'loss'", "Tokenizing", "Writing model shards", "Loading weights"):
         assert noise not in proc.stdout + proc.stderr, noise

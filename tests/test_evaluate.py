@@ -256,6 +256,13 @@ def test_evaluate_compares_policies_on_shared_samples(trained_sft: Path, tmp_pat
     # and with its unchanged export; only base, which carries none, was sampled here. They are
     # exactly what sampling the model again gives.
     assert "samples reused 2/3" in outcome
+    # One console line per policy: each figure with its interval, the paired difference from sft.
+    base = got["base"]
+    acc, diff = base["intervals"]["heldout_accuracy"], base["vs_reference"]["heldout_accuracy"]
+    assert (
+        f"evaluate: base: heldout_accuracy {base['heldout_accuracy']:.3f} [{acc['low']:.3f}, {acc['high']:.3f}], "
+        f"{diff['value']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}] vs sft, rm_score "
+    ) in outcome, outcome
     published = [json.loads(line) for line in (root / "models/sft" / SAMPLES_FILE).read_text().splitlines()]
     assert [s["completion"] for s in sft_samples] == [p["completion"] for p in published]
     # The thread count the sft stage sampled with: another count changes float sums, hence samples.

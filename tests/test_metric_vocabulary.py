@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from alignpipe.measure.metrics import VOCABULARY, local_keys, nemo_rl_tags
+from alignpipe.measure.metrics import VOCABULARY, local_keys, nemo_rl_names, nemo_rl_tags
 from tests.conftest import REPO
 
 # What only one engine measures, and why it cannot be the other's: TRL-only diagnostics, and
@@ -21,11 +21,9 @@ LOCAL_ONLY = {
     "sft": {"train/token_accuracy", "val/token_accuracy"},
     "dpo": {"train/reward_margin", "val/reward_margin", "val/kl_to_reference"},
     "rm": {"train/reward_margin", "val/reward_margin"},
-    # The validation accuracy's interval needs the count of answers behind it, which NeMo-RL's
-    # TensorBoard logs do not carry.
     "rlvr": {"train/reward_std", "train/frac_zero_std_groups", "train/clip_fraction", "val/reward_std",
-             "train/verifier_accuracy", "val/reward_mean", "val/verifier_accuracy_low",
-             "val/verifier_accuracy_high"},
+             "train/verifier_accuracy", "val/reward_mean"},
+    # NeMo-RL's rlhf validation/accuracy is the RM's mean score: no verifier accuracy, no interval.
     "rlhf": {"train/reward_std", "train/frac_zero_std_groups", "train/clip_fraction", "val/reward_std",
              "train/verifier_accuracy", "train/rm_score", "train/judge_parse_fail_fraction",
              "val/verifier_accuracy", "val/rm_score", "val/verifier_accuracy_low",
@@ -39,7 +37,7 @@ NEMO_RL_ONLY = {
 
 @pytest.mark.parametrize("stage", list(VOCABULARY))
 def test_both_engines_publish_the_same_names(stage: str) -> None:
-    local, nemo_rl = set(local_keys(stage).values()), set(nemo_rl_tags(stage).values())
+    local, nemo_rl = set(local_keys(stage).values()), nemo_rl_names(stage)
     assert local - nemo_rl == LOCAL_ONLY[stage]
     assert nemo_rl - local == NEMO_RL_ONLY.get(stage, set())
 
@@ -57,7 +55,7 @@ def test_the_plots_dvc_yaml_compares_read_names_both_engines_publish() -> None:
             stage, name = match.group(1), match.group(2)
             if name in LOCAL_ONLY[stage] or name == "val/kl_to_reference":
                 continue  # dpo's exact KL is a local-only diagnostic, plotted beside GRPO's
-            assert name in nemo_rl_tags(stage).values(), f"{tsv}: NeMo-RL never publishes {name}"
+            assert name in nemo_rl_names(stage), f"{tsv}: NeMo-RL never publishes {name}"
 
 
 def test_every_nemo_rl_tag_is_one_upstream_logs(nemo_rl_src: Path) -> None:

@@ -20,8 +20,9 @@ from alignpipe.context import build_context
 from alignpipe.engines.nemo_rl import convert as CV
 from alignpipe.engines.nemo_rl.checkpoints import NoCheckpointError, select_checkpoint
 from alignpipe.engines.nemo_rl.metrics import read_scalars
-from alignpipe.engines.nemo_rl.publish import publish
+from alignpipe.engines.nemo_rl.publish import publish, validation_answers
 from alignpipe.engines.nemo_rl.render import RunPaths, render_for
+from alignpipe.measure.intervals import wilson
 from tests.conftest import REPO, set_params
 
 PROMPTS = [("sort 312", "123"), ("reverse 45", "54"), ("add 2 3", "5"), ("sort 21", "12")]
@@ -188,6 +189,16 @@ def test_publish_hf_policy(rlvr_run) -> None:
     assert metrics["train"]["loss"] == pytest.approx(0.6)
     assert metrics["train"]["kl"] == pytest.approx(0.02)
     assert metrics["val"]["verifier_accuracy"] == pytest.approx(0.6)  # NeMo-RL validation/accuracy
+    # Its interval, as the local engine logs it: each validation scored the 4 validation prompts
+    # once (the default profile's max_val_samples and val_batch_size are 256), 0.6 x 4 -> 2 right.
+    assert validation_answers(ctx, cfg) == 4
+    low, high = wilson(2, 4)
+    assert (metrics["val"]["verifier_accuracy_low"], metrics["val"]["verifier_accuracy_high"]) == (
+        pytest.approx(low),
+        pytest.approx(high),
+    )
+    curve = ctx.output("metrics") / "plots" / "metrics" / "val" / "verifier_accuracy_low.tsv"
+    assert [line.split("\t")[0] for line in curve.read_text().splitlines()[1:]] == ["2", "4"]
     assert "timing" not in metrics  # unmapped NeMo-RL tags stay out
     assert 0.0 <= metrics["heldout"]["accuracy"] <= 1.0
     tsv = (ctx.output("metrics") / "plots" / "metrics" / "train" / "reward_mean.tsv").read_text().splitlines()

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from alignpipe.artifacts import dvc_hash, read_manifest
+from alignpipe.measure.intervals import wilson
+from alignpipe.rewards.verifiers import score_completion
 from tests.conftest import run_cli, set_params
 
 
@@ -30,7 +33,23 @@ def test_sft_trains_reloads_and_records_lineage(trained_sft):
     assert loss[-1] < loss[0] * 0.8, f"training loss did not fall: {loss[0]} -> {loss[-1]}"
 
     metrics = json.loads((trained_sft / "results" / "sft" / "metrics.json").read_text())
-    assert 0.0 <= metrics["heldout"]["accuracy"] <= 1.0
+    # Each held-out accuracy with its 95% Wilson interval over the prompts it was measured on,
+    # recounted here from the published samples and each row's verifier.
+    held = metrics["heldout"]
+    rows = {r["id"]: r for r in map(json.loads, (trained_sft / "data/prepared/rlvr/test.jsonl").open())}
+    samples = [json.loads(line) for line in (policy / "heldout_samples.jsonl").open()]
+    verdicts: dict[str, list[float]] = {}
+    for sample in samples:
+        row = rows[sample["id"]]
+        score = score_completion(row, sample["completion"])
+        for name in ("accuracy", f"accuracy_{row['task']}"):
+            verdicts.setdefault(name, []).append(score)
+    assert set(held["intervals"]) == set(verdicts) and len(verdicts) > 2, held
+    for name, scores in verdicts.items():
+        assert held[name] == pytest.approx(sum(scores) / len(scores)), name
+        low, high = wilson(sum(scores), len(scores))
+        assert held["intervals"][name] == {"low": pytest.approx(low), "high": pytest.approx(high)}, name
+    assert 0.0 < held["intervals"]["accuracy"]["low"] < held["accuracy"] < held["intervals"]["accuracy"]["high"]
     manifest = read_manifest(policy)
     assert manifest["type"] == "checkpoint_hf" and manifest["engine"] == "local"
     assert manifest["inputs"]["base_model"]["hash"] == dvc_hash(trained_sft / "models" / "base")

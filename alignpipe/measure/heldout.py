@@ -7,6 +7,9 @@ their SFT reference, ``convert`` for an unchanged export, ``evaluate``) reuse th
 key matches, and sample afresh otherwise. What an RL stage measured on them (KL to its
 reference, reward-model scores) goes beside them too (``heldout_measures.json``), with the
 hash of the model each was measured against.
+
+Every accuracy comes with its 95% interval (``intervals``: Wilson's for 0/1 verdicts), so a
+stage's ``metrics.json`` and outcome line say how far its few hundred prompts can be trusted.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 from alignpipe.context import StageContext, scratch_root
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.generation import Prompt, generate, generate_vllm, model_system_prompt
+from alignpipe.measure.intervals import mean_interval
 from alignpipe.settings import Heldout
 
 
@@ -218,8 +222,9 @@ def sampling_args(settings: Heldout) -> dict[str, Any]:
     return {k: getattr(settings, k) for k in ("max_new_tokens", "temperature", "top_p", "seed")}
 
 
-def heldout_accuracy(tokenizer, rows: Iterable[dict[str, Any]], completions: list[str]) -> dict[str, float]:
-    """Verifier accuracy of sampled answers on held-out prompts, overall and per task.
+def heldout_accuracy(tokenizer, rows: Iterable[dict[str, Any]], completions: list[str]) -> dict[str, Any]:
+    """Verifier accuracy of sampled answers on held-out prompts, overall and per task, each
+    with its 95% interval under ``intervals`` (``{"accuracy": {"low": .., "high": ..}, ...}``).
 
     The one definition every policy stage reports as ``heldout/accuracy``, of ``completions``
     drawn with ``heldout_completions`` or on vLLM (one per row).
@@ -238,12 +243,28 @@ def heldout_accuracy(tokenizer, rows: Iterable[dict[str, Any]], completions: lis
         by_task.setdefault(row.get("task", "all"), []).append(score)
     for task, values in sorted(by_task.items()):
         result[f"accuracy_{task}"] = sum(values) / len(values)
+    if scores:
+        groups = {"accuracy": scores, **{f"accuracy_{t}": v for t, v in sorted(by_task.items())}}
+        result["intervals"] = {name: _bounds(values) for name, values in groups.items()}
     return result
 
 
-def log_heldout(live, tokenizer, samples: HeldoutSamples, suffix: str = "") -> dict[str, float]:
+def _bounds(values: list[float]) -> dict[str, float]:
+    interval = mean_interval(values)
+    return {"low": interval["low"], "high": interval["high"]}
+
+
+def headline(result: dict[str, Any], suffix: str = "") -> float | tuple[float, float, float]:
+    """A stage's outcome-line figure for ``result["accuracy" + suffix]``: with its interval
+    when there is one (``console.outcome`` prints ``0.530 [0.474, 0.586]``)."""
+    value = result[f"accuracy{suffix}"]
+    bounds = (result.get(f"intervals{suffix}") or {}).get("accuracy")
+    return (value, bounds["low"], bounds["high"]) if bounds else value
+
+
+def log_heldout(live, tokenizer, samples: HeldoutSamples, suffix: str = "") -> dict[str, Any]:
     """Held-out accuracy of ``samples`` into ``live.summary["heldout"]`` (a DVCLive ``Live``),
-    each name with ``suffix`` (``_reference`` for the SFT reference's)."""
+    each name with ``suffix`` (``_reference`` for the SFT reference's: ``intervals_reference``)."""
     result = heldout_accuracy(tokenizer, samples.rows, samples.completions)
     result = {f"{k}{suffix}": v for k, v in result.items()}
     live.summary.setdefault("heldout", {}).update(result)

@@ -108,19 +108,20 @@ _GRPO = (
 # NeMo-RL's validation/accuracy is the mean validation reward: the verifier's for rlvr, the RM's
 # for rlhf. NeMo-Gym reports the same as validation/total_reward/mean.
 _VALIDATION_REWARD = ("validation/accuracy", "validation/total_reward/mean")
-# The learning curve's uncertainty: validation accuracy's 95% Wilson interval (local only).
+# The learning curve's uncertainty: validation accuracy's 95% Wilson interval over the answers
+# scored. NeMo-RL logs no such tag; its importer derives it for rlvr (NEMO_RL_DERIVED).
 _VALIDATION_INTERVAL = (
     Metric(
         "val/verifier_accuracy_low",
         "eval_verifier_accuracy_low",
         (),
-        "lower end of validation accuracy's 95% Wilson interval (local only)",
+        "lower end of validation accuracy's 95% Wilson interval",
     ),
     Metric(
         "val/verifier_accuracy_high",
         "eval_verifier_accuracy_high",
         (),
-        "upper end of validation accuracy's 95% Wilson interval (local only)",
+        "upper end of validation accuracy's 95% Wilson interval",
     ),
 )
 
@@ -232,3 +233,17 @@ def nemo_rl_tags(stage: str) -> dict[str, str]:
 def nemo_rl_scales(stage: str) -> dict[str, str]:
     """Pipeline metric name -> the config key whose value multiplies NeMo-RL's value."""
     return {m.name: m.nemo_rl_scale for m in VOCABULARY.get(stage, _OPTIMIZER) if m.nemo_rl_scale}
+
+
+# Names a NeMo-RL run publishes that no TensorBoard tag holds: rlvr's validation accuracy is a
+# mean of 0/1 verifier rewards, so its interval follows from the accuracy and the number of
+# answers validate() scored (alignpipe.engines.nemo_rl.metrics.with_validation_interval). rlhf's
+# validation/accuracy is the RM's mean score, not an accuracy: no interval there.
+NEMO_RL_DERIVED: dict[str, tuple[str, ...]] = {
+    "rlvr": ("val/verifier_accuracy_low", "val/verifier_accuracy_high"),
+}
+
+
+def nemo_rl_names(stage: str) -> set[str]:
+    """Every pipeline name a NeMo-RL run of ``stage`` publishes: from its tags, and derived."""
+    return set(nemo_rl_tags(stage).values()) | set(NEMO_RL_DERIVED.get(stage, ()))

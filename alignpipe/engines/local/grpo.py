@@ -34,6 +34,7 @@ from alignpipe.errors import ConfigError, NoLearningSignal, UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.generation import prompt_messages
 from alignpipe.measure.heldout import (
+    headline,
     log_heldout,
     measures_file,
     sample_heldout,
@@ -529,8 +530,8 @@ def run_grpo(
     console.outcome(
         ctx.name,
         {
-            "heldout/accuracy": heldout["accuracy"],
-            "sft": ref["accuracy_reference"],
+            "heldout/accuracy": headline(heldout),
+            "sft": headline(ref, "_reference"),
             "kl_to_reference": kl,
             **extra,
         },

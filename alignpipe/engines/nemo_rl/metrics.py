@@ -4,7 +4,8 @@ NeMo-RL logs ``<prefix>/<name>`` scalars (nemo-rl.md §9) to
 ``<logger.log_dir>/exp_NNN/tensorboard/``. They are published under the pipeline's metric
 names, from the one vocabulary both engines use (``alignpipe.measure.metrics``), so the two
 engines' ``results/<stage>/`` diff and plot together. Tags the vocabulary does not list
-(timing/*, ray/*, performance/*, histograms) are not imported. ``heldout/*`` is computed after
+(timing/*, ray/*, performance/*, histograms) are not imported. rlvr's validation accuracy gets
+its 95% interval here, as the local engine logs it (``with_validation_interval``). ``heldout/*`` is computed after
 training with ``measure.heldout`` and added to the summary. NeMo-RL's DPO rewards are
 log-ratios before beta; they are multiplied by ``dpo.reference_policy_kl_penalty`` to match TRL's.
 """
@@ -16,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from alignpipe.config import get_path
-from alignpipe.measure.metrics import nemo_rl_scales, nemo_rl_tags
+from alignpipe.measure.intervals import wilson
+from alignpipe.measure.metrics import NEMO_RL_DERIVED, nemo_rl_scales, nemo_rl_tags
 
 
 def event_dirs(log_dir: Path) -> list[Path]:
@@ -54,6 +56,25 @@ def map_scalars(
     return out
 
 
+def with_validation_interval(
+    stage: str, metrics: dict[str, dict[int, float]], answers: int | None
+) -> dict[str, dict[int, float]]:
+    """``metrics`` plus, for rlvr, ``val/verifier_accuracy_low``/``_high`` at every validation:
+    the 95% Wilson interval over the ``answers`` each validation scored. The accuracy is a mean
+    of 0/1 rewards, so accuracy x answers is the count of right answers (rounded, as the local
+    engine rounds its own)."""
+    accuracy = metrics.get("val/verifier_accuracy")
+    if stage not in NEMO_RL_DERIVED or not accuracy or not answers:
+        return metrics
+    bounds = {step: wilson(round(value * answers), answers) for step, value in accuracy.items()}
+    low, high = NEMO_RL_DERIVED[stage]
+    return {
+        **metrics,
+        low: {step: b[0] for step, b in bounds.items()},
+        high: {step: b[1] for step, b in bounds.items()},
+    }
+
+
 def write_dvclive(
     out_dir: Path, metrics: dict[str, dict[int, float]], extra_summary: dict[str, Any] | None = None
 ) -> dict:
@@ -83,6 +104,9 @@ def import_metrics(
     out_dir: Path,
     extra_summary: dict[str, Any] | None = None,
     cfg: dict[str, Any] | None = None,
+    validation_answers: int | None = None,
 ) -> dict:
-    """NeMo-RL TensorBoard logs -> ``out_dir`` (DVCLive) under the pipeline's names."""
-    return write_dvclive(out_dir, map_scalars(stage, read_scalars(log_dir), cfg), extra_summary)
+    """NeMo-RL TensorBoard logs -> ``out_dir`` (DVCLive) under the pipeline's names;
+    ``validation_answers``: how many answers each validation scored (``publish.validation_answers``)."""
+    metrics = map_scalars(stage, read_scalars(log_dir), cfg)
+    return write_dvclive(out_dir, with_validation_interval(stage, metrics, validation_answers), extra_summary)

@@ -131,7 +131,7 @@ def export_megatron_lora(
     return "hf" if over_megatron else "peft"
 
 
-def heldout_for(ctx, model_dir: Path) -> dict[str, float] | None:
+def heldout_for(ctx, model_dir: Path) -> dict[str, Any] | None:
     """Held-out accuracy of the published policy (an adapter: its chain merged), by the local
     engine's one definition. ``heldout.backend: vllm`` (the GPU profiles) draws the samples with
     vLLM, which the image has; else transformers does. The samples are published beside the
@@ -160,6 +160,19 @@ def heldout_for(ctx, model_dir: Path) -> dict[str, float] | None:
     for name, text in H.samples_file(held).items():
         write_text_atomic(model_dir / name, text)
     return H.heldout_accuracy(tokenizer, rows, completions)
+
+
+def validation_answers(ctx, cfg: dict[str, Any]) -> int | None:
+    """How many answers each of NeMo-RL's GRPO validations scores: ``validate()`` samples every
+    prompt of the first ``max_val_samples // val_batch_size`` batches of the validation split
+    once. None for a stage without GRPO validation data."""
+    path = get_path(ctx.config, "data.validation.data_path")
+    batch, most = get_path(cfg, "grpo.val_batch_size"), get_path(cfg, "grpo.max_val_samples")
+    if not (path and batch and most):
+        return None
+    with (ctx.root / path).open() as f:
+        rows = sum(1 for line in f if line.strip())
+    return min(rows, int(most) // int(batch) * int(batch))
 
 
 def adapter_record(ctx, out: Path) -> dict[str, Any]:
@@ -228,7 +241,8 @@ def publish(
         summary: dict[str, Any] = {}
         if metrics_port is not None:
             with staged_dir(ctx.output(metrics_port.name)) as mdir:
-                summary = import_metrics(ctx.name, paths.logs, mdir, extra_summary, cfg)
+                answers = validation_answers(ctx, cfg)
+                summary = import_metrics(ctx.name, paths.logs, mdir, extra_summary, cfg, answers)
                 write_text_atomic(mdir / RESOLVED_CONFIG, ctx.resolved_config_yaml())
         elif heldout:
             summary = {"heldout": heldout}

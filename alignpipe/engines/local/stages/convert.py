@@ -239,6 +239,24 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def card_metrics(metrics: dict[str, Any]) -> dict[str, str]:
+    """The producing stage's headline metrics as the card shows them, each held-out accuracy
+    with its 95% interval: ``heldout/accuracy`` -> ``0.78 [0.7297, 0.8232]``, its bounds read
+    from ``heldout/intervals/accuracy/{low,high}`` (``intervals_reference`` for ``_reference``)."""
+    shown = {}
+    for key, value in metrics.items():
+        if not key.startswith(("heldout/", "val/", "train/reward", "train/kl")) or "/intervals" in key:
+            continue
+        group, _, name = key.rpartition("/")
+        suffix = "_reference" if name.endswith("_reference") else ""
+        bounds = f"{group}/intervals{suffix}/{name.removesuffix(suffix)}"
+        low, high = metrics.get(f"{bounds}/low"), metrics.get(f"{bounds}/high")
+        shown[key] = _fmt(value) + (
+            f" [{_fmt(low)}, {_fmt(high)}]" if low is not None and high is not None else ""
+        )
+    return shown
+
+
 def model_card(
     ctx: StageContext,
     manifest: dict[str, Any],
@@ -250,10 +268,7 @@ def model_card(
     """README.md: what this model is, where it came from (content hashes), how good, how to load it."""
     # Over 60 lines: one markdown template, read top to bottom like the card it writes.
     stage = manifest.get("stage", ctx.source)
-    metrics = manifest.get("metrics") or {}
-    headline = {
-        k: v for k, v in metrics.items() if k.startswith(("heldout/", "val/", "train/reward", "train/kl"))
-    }
+    headline = card_metrics(manifest.get("metrics") or {})
     lines = [
         "---",
         "library_name: transformers",
@@ -292,7 +307,7 @@ def model_card(
     ]
     if headline:
         lines += ["| metric | value |", "|---|---|"]
-        lines += [f"| `{k}` | {_fmt(v)} |" for k, v in sorted(headline.items())]
+        lines += [f"| `{k}` | {v} |" for k, v in sorted(headline.items())]
     else:
         lines.append("None recorded.")
     lines += [

@@ -42,7 +42,7 @@ from alignpipe.engines.local.preference_pairs import preference_splits
 from alignpipe.engines.local.torch_threads import apply_torch_threads
 from alignpipe.engines.local.trl_args import refuse_gpu_only_settings, step_budget, trl_common_args
 from alignpipe.errors import UnsupportedSetting
-from alignpipe.measure.heldout import log_heldout, sample_heldout, samples_file
+from alignpipe.measure.heldout import headline, log_heldout, sample_heldout, samples_file
 from alignpipe.measure.logprobs import LOCAL_DTYPE
 from alignpipe.measure.metrics import local_keys
 
@@ -312,7 +312,7 @@ def run(ctx: StageContext) -> None:
         "dpo",
         {
             "val/preference_accuracy": metrics.get("val/preference_accuracy"),
-            "heldout/accuracy": heldout["accuracy"],
+            "heldout/accuracy": headline(heldout),
         },
         ctx.output("policy_out").relative_to(ctx.root),
         ctx.started,

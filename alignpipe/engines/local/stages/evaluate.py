@@ -98,6 +98,22 @@ def add_intervals(policies: dict[str, dict[str, Any]], samples: list[dict], refe
             }
 
 
+def policy_line(m: dict[str, Any], reference: str) -> str:
+    """``heldout_accuracy 0.727 [0.674, 0.774], +0.197 [+0.138, +0.256] vs sft, rm_score ...``:
+    each figure with its 95% interval and, but for the reference, its paired difference."""
+    parts = []
+    for key in METRIC_KEYS:
+        if m.get(key) is None:
+            continue
+        text = f"{key} {m[key]:.3f}"
+        if bounds := m["intervals"].get(key):
+            text += f" [{bounds['low']:.3f}, {bounds['high']:.3f}]"
+        if diff := m.get("vs_reference", {}).get(key):
+            text += f", {diff['value']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}] vs {reference}"
+        parts.append(text)
+    return ", ".join(parts)
+
+
 def interval_of(values: list[float]) -> dict[str, float]:
     """``{low, high}`` of the mean of ``values`` (the mean itself is the figure's own key)."""
     found = mean_interval(values)
@@ -358,13 +374,11 @@ def run(ctx: StageContext) -> None:
         reused += held.reused
         policies[name] = {"path": entry.path, **measured}
         samples += policy_samples
-        print(
-            f"evaluate: {name}: "
-            + ", ".join(f"{k}={measured[k]:.4g}" for k in METRIC_KEYS if measured[k] is not None)
-        )
 
     drop = ctx.settings.reward_hacking.accuracy_drop
     add_intervals(policies, samples, reference)
+    for name, measured in policies.items():
+        print(f"evaluate: {name}: {policy_line(measured, reference)}")
     flag_reward_hacking(policies, reference, drop)
     benchmarks = add_benchmarks(ctx, policies, reference)
     regressed = {n: m["benchmark_regressions"] for n, m in policies.items() if m.get("benchmark_regressions")}

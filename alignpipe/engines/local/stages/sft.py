@@ -21,7 +21,7 @@ from alignpipe.engines.local.trl_args import refuse_gpu_only_settings, trl_commo
 from alignpipe.errors import DataError, UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.generation import with_system
-from alignpipe.measure.heldout import log_heldout, sample_heldout, samples_file
+from alignpipe.measure.heldout import headline, log_heldout, sample_heldout, samples_file
 from alignpipe.measure.logprobs import LOCAL_DTYPE
 from alignpipe.measure.metrics import local_keys
 from alignpipe.tokenise import sft_example, unrendered_tool_names
@@ -145,7 +145,7 @@ def run(ctx: StageContext) -> None:
     publish_trained(ctx, "policy", model, tokenizer, live, files=samples_file(samples))
     console.outcome(
         "sft",
-        {"heldout/accuracy": heldout["accuracy"]},
+        {"heldout/accuracy": headline(heldout)},
         ctx.output("policy").relative_to(ctx.root),
         ctx.started,
     )
