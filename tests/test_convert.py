@@ -66,7 +66,9 @@ def test_convert_exports_the_same_model_with_card_and_lineage(trained_sft: Path,
     # The producing stage's held-out accuracy, with its 95% interval.
     sft = json.loads((root / "results" / "sft" / "metrics.json").read_text())["heldout"]
     bounds = sft["intervals"]["accuracy"]
-    assert f"| `heldout/accuracy` | {sft['accuracy']:.4g} [{bounds['low']:.4g}, {bounds['high']:.4g}] |" in card
+    assert (
+        f"| `heldout/accuracy` | {sft['accuracy']:.4g} [{bounds['low']:.4g}, {bounds['high']:.4g}] |" in card
+    )
     assert "intervals" not in card  # the bounds are shown beside their figure, not as rows
     # The producing stage's resolved config travels with the export.
     assert (export / "training_config.yaml").read_text() == (

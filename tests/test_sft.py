@@ -49,7 +49,9 @@ def test_sft_trains_reloads_and_records_lineage(trained_sft):
         assert held[name] == pytest.approx(sum(scores) / len(scores)), name
         low, high = wilson(sum(scores), len(scores))
         assert held["intervals"][name] == {"low": pytest.approx(low), "high": pytest.approx(high)}, name
-    assert 0.0 < held["intervals"]["accuracy"]["low"] < held["accuracy"] < held["intervals"]["accuracy"]["high"]
+    assert (
+        0.0 < held["intervals"]["accuracy"]["low"] < held["accuracy"] < held["intervals"]["accuracy"]["high"]
+    )
     manifest = read_manifest(policy)
     assert manifest["type"] == "checkpoint_hf" and manifest["engine"] == "local"
     assert manifest["inputs"]["base_model"]["hash"] == dvc_hash(trained_sft / "models" / "base")
