@@ -138,11 +138,11 @@ def tiny_results(run: Run) -> str:
             f"margin {m['dpo']['val']['reward_margin']:.2f}",
         ),
         "rlvr": (
-            f"`rlvr` (GRPO + verifiers, {m['rlvr']['step']} steps)",
+            f"`rlvr` (GRPO + verifiers, {m['rlvr']['step']} optimizer steps)",
             f"last step's reward mean {m['rlvr']['train']['reward_mean']:.3f}",
         ),
         "rlhf": (
-            f"`rlhf` (GRPO + reward model, {m['rlhf']['step']} steps)",
+            f"`rlhf` (GRPO + reward model, {m['rlhf']['step']} optimizer steps)",
             f"last step's RM score {m['rlhf']['train']['rm_score']:.2f}; reward hacking {rlhf_flag}",
         ),
     }

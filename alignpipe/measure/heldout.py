@@ -25,7 +25,7 @@ from typing import Any
 from alignpipe.context import StageContext, scratch_root
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.generation import Prompt, generate, generate_vllm, model_system_prompt
-from alignpipe.measure.intervals import mean_interval
+from alignpipe.measure.intervals import interval_of
 from alignpipe.settings import Heldout
 
 
@@ -245,13 +245,8 @@ def heldout_accuracy(tokenizer, rows: Iterable[dict[str, Any]], completions: lis
         result[f"accuracy_{task}"] = sum(values) / len(values)
     if scores:
         groups = {"accuracy": scores, **{f"accuracy_{t}": v for t, v in sorted(by_task.items())}}
-        result["intervals"] = {name: _bounds(values) for name, values in groups.items()}
+        result["intervals"] = {name: interval_of(values) for name, values in groups.items()}
     return result
-
-
-def _bounds(values: list[float]) -> dict[str, float]:
-    interval = mean_interval(values)
-    return {"low": interval["low"], "high": interval["high"]}
 
 
 def headline(result: dict[str, Any], suffix: str = "") -> float | tuple[float, float, float]:

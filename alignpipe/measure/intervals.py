@@ -53,6 +53,12 @@ def mean_interval(values: Sequence[float], z: float = Z95) -> dict[str, float]:
     return {"value": mean, "low": mean - z * error, "high": mean + z * error}
 
 
+def interval_of(values: Sequence[float]) -> dict[str, float]:
+    """``{low, high}`` of the mean of ``values`` (the mean itself is the figure's own key)."""
+    found = mean_interval(values)
+    return {"low": found["low"], "high": found["high"]}
+
+
 def paired_difference(
     values: Sequence[float], reference: Sequence[float], z: float = Z95
 ) -> dict[str, float]:

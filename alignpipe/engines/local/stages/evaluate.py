@@ -61,7 +61,7 @@ from alignpipe.measure.heldout import (
     sampling_args,
     vllm_engine,
 )
-from alignpipe.measure.intervals import below, mean_interval, paired_difference
+from alignpipe.measure.intervals import below, interval_of, paired_difference
 from alignpipe.measure.logprobs import kl_to_reference, load_policy
 from alignpipe.measure.reward_model import RewardModelScorer, hacking_suspected
 from alignpipe.settings import Heldout, from_config
@@ -112,12 +112,6 @@ def policy_line(m: dict[str, Any], reference: str) -> str:
             text += f", {diff['value']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}] vs {reference}"
         parts.append(text)
     return ", ".join(parts)
-
-
-def interval_of(values: list[float]) -> dict[str, float]:
-    """``{low, high}`` of the mean of ``values`` (the mean itself is the figure's own key)."""
-    found = mean_interval(values)
-    return {"low": found["low"], "high": found["high"]}
 
 
 def flag_reward_hacking(policies: dict[str, dict[str, Any]], reference: str, accuracy_drop: float) -> None:
