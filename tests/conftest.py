@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import stat
@@ -178,19 +179,20 @@ def commit_all(root: Path) -> None:
     subprocess.run(["git", "commit", "-qm", "copy"], cwd=root, check=True, env=env)
 
 
+def deep_merge(base: dict, new: dict) -> None:
+    """Merge ``new`` into ``base`` in place: nested dicts merge, anything else is replaced."""
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            deep_merge(base[k], v)
+        else:
+            base[k] = copy.deepcopy(v)
+
+
 def set_params(root: Path, updates: dict) -> None:
     """Deep-merge ``updates`` into ``root/params.yaml`` (like `dvc exp run -S`)."""
     path = root / "params.yaml"
     params = yaml.safe_load(path.read_text())
-
-    def merge(base: dict, new: dict) -> None:
-        for k, v in new.items():
-            if isinstance(v, dict) and isinstance(base.get(k), dict):
-                merge(base[k], v)
-            else:
-                base[k] = v
-
-    merge(params, updates)
+    deep_merge(params, updates)
     path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
@@ -237,6 +239,20 @@ FAST_SFT = {"sft": {"sft": {"max_num_steps": 40}}}
 # data trains in half the time (a `chat` row is ~3x a plain one's tokens, and pads its batch).
 # The committed pipeline (`tiny_pipeline`) and the equivalence suite train conversations.
 SINGLE_TURN = {"prep": {"builtin": {"tasks": {"chat": {"weight": 0}}}}}
+# One torch thread per stage process in the shared trainer fixtures, not the profile's two: two
+# test workers on two cores run two stages at once, and four threads on two cores cost every
+# tiny stage 15-20% more CPU (benchmarks/RESULTS.md, "stop 47"). The count is a setting like the
+# step counts above; results stay byte-reproducible at either. The committed pipeline keeps 2.
+ONE_THREAD = {stage: {"alignpipe": {"torch_threads": 1}}
+              for stage in ("sft", "rm", "dpo", "rlvr", "rlhf", "convert", "benchmark", "evaluate")}  # fmt: skip
+
+
+def merged(*updates: dict) -> dict:
+    """One ``set_params`` update from several (later ones win, nested keys merge)."""
+    out: dict = {}
+    for update in updates:
+        deep_merge(out, update)
+    return out
 
 
 def set_writable(root: Path, writable: bool) -> None:
@@ -292,7 +308,7 @@ def trained_sft(tmp_path_factory) -> Path:
     def build(tmp: Path) -> None:
         root = copy_repo(tmp / "repo")
         env = {"ALIGNPIPE_SCRATCH": str(tmp / "scratch")}
-        set_params(root, {**FAST_SFT, **SINGLE_TURN})
+        set_params(root, merged(FAST_SFT, SINGLE_TURN, ONE_THREAD))
         for stage in ("prep", "base", "sft"):
             run_cli(root, "run", stage, env=env)
         set_writable(root, False)
@@ -317,7 +333,7 @@ def prepared_repo(tmp_path_factory) -> Path:
 
     def build(tmp: Path) -> None:
         root = copy_repo(tmp / "repo", git=True)
-        set_params(root, SINGLE_TURN)
+        set_params(root, merged(SINGLE_TURN, ONE_THREAD))
         env = {**os.environ, **OFFLINE, **GIT_ENV, "ALIGNPIPE_SCRATCH": str(tmp / "scratch")}
         repro = subprocess.run(["dvc", "repro", "base"], cwd=root, env=env, capture_output=True, text=True)
         if repro.returncode != 0:
