@@ -19,6 +19,7 @@ COLUMNS = (
     ("mean_length", "mean length (tokens)", None, "{:.2f}"),
     ("kl_to_sft", "KL to SFT (per token)", "lower", "{:.4f}"),
 )
+TASK_ACCURACY = "heldout_accuracy_"  # + task: the accuracy on that task's prompts alone
 HACKING = "suspected_reward_hacking"
 REGRESSIONS = "benchmark_regressions"
 
@@ -119,12 +120,46 @@ def markdown_table(metrics: dict[str, Any]) -> str:
             f"`{reference}` on the same documents is more than the task's `max_drop` below zero over its whole "
             f"interval ({', '.join(f'{t}: {d:g}' for t, d in gate.items()) or 'no task sets one'})."
         )
+    lines += task_table(metrics)
     lines += [
         "",
         "![comparison](comparison.png)",
         "",
     ]
     return "\n".join(lines)
+
+
+def task_table(metrics: dict[str, Any]) -> list[str]:
+    """Held-out accuracy on each task's prompts alone: one row per policy, each cell the
+    accuracy with its interval and, but for the reference, the paired difference in points."""
+    policies = metrics["policies"]
+    reference = metrics.get("reference", "sft")
+    tasks = sorted({key.removeprefix(TASK_ACCURACY) for m in policies.values() for key in m
+                    if key.startswith(TASK_ACCURACY)})  # fmt: skip
+    if not tasks:
+        return []
+    counts = (metrics.get("heldout") or {}).get("tasks") or {}
+    lines = [
+        "",
+        "## Held-out accuracy per task",
+        "",
+        "| policy | " + " | ".join(f"{t} ({counts[t]} prompts)" if t in counts else t for t in tasks) + " |",
+        "|---|" + "---:|" * len(tasks),
+    ]
+    for name, m in policies.items():
+        cells = []
+        for task in tasks:
+            key = TASK_ACCURACY + task
+            cell = _cell(m.get(key), "{:.1%}", (m.get("intervals") or {}).get(key))
+            if (m.get("vs_reference") or {}).get(key):
+                cell += f"; {_difference(m, key, '{:+.1f}', 100.0)} vs `{reference}`"
+            cells.append(cell)
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "A task's interval is wider than the overall one: it rests on that task's prompts alone.",
+    ]
+    return lines
 
 
 def comparison_chart(metrics: dict[str, Any], path: Path) -> Path:

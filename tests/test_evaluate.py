@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,51 @@ def test_report_table_and_chart_show_every_policy_its_interval_and_the_flag(tmp_
     assert comparison_chart(edges, tmp_path / "edges.png").read_bytes().startswith(PNG_MAGIC)
 
 
+def test_each_task_has_its_own_interval_and_paired_difference_in_metrics_and_the_report():
+    from scipy.stats import binomtest
+
+    tasks = ("reverse", "sort", "chat")
+    metrics, samples = sample_metrics(
+        sft=(outcomes(120), scores(0.1, 0.5)), rlvr=(outcomes(180), scores(0.1, 0.5))
+    )
+    for s in samples:
+        s["task"] = tasks[int(s["id"]) % 3]
+    for name, m in metrics["policies"].items():  # as heldout_accuracy() reports them
+        for task in tasks:
+            right = [s["correct"] for s in samples if s["policy"] == name and s["task"] == task]
+            m[f"heldout_accuracy_{task}"] = sum(right) / len(right)
+    metrics["heldout"]["tasks"] = {task: N // 3 for task in sorted(tasks)}
+    add_intervals(metrics["policies"], samples, "sft")
+    sft, rlvr = metrics["policies"]["sft"], metrics["policies"]["rlvr"]
+    for task in tasks:
+        key = f"heldout_accuracy_{task}"
+        # sft is right on prompts 0-119, 40 of each task's 100; rlvr on 0-179, 20 more of each
+        wilson = binomtest(40, N // 3).proportion_ci(0.95, method="wilson")
+        assert sft["intervals"][key] == pytest.approx({"low": wilson.low, "high": wilson.high})
+        vs = rlvr["vs_reference"][key]
+        assert vs["value"] == pytest.approx(0.2) and 0 < vs["low"] < 0.2 < vs["high"]
+        # a task rests on a third of the prompts: its interval is wider than the overall one
+        width = {
+            k: rlvr["intervals"][k]["high"] - rlvr["intervals"][k]["low"] for k in (key, "heldout_accuracy")
+        }
+        assert width[key] > width["heldout_accuracy"]
+    assert "vs_reference" not in sft
+
+    table = markdown_table(metrics)
+    per_task = table.split("## Held-out accuracy per task")[1]
+    assert "| policy | chat (100 prompts) | reverse (100 prompts) | sort (100 prompts) |" in per_task
+    row = next(line for line in per_task.splitlines() if line.startswith("| `rlvr`"))
+    iv, vs = rlvr["intervals"]["heldout_accuracy_sort"], rlvr["vs_reference"]["heldout_accuracy_sort"]
+    assert (
+        f"| 60.0% [{100 * iv['low']:.1f}%, {100 * iv['high']:.1f}%]; "
+        f"+20.0 [{100 * vs['low']:+.1f}, {100 * vs['high']:+.1f}] vs `sft` |"
+    ) in row
+    assert "vs `sft`" not in next(line for line in per_task.splitlines() if line.startswith("| `sft`"))
+    # Held-out rows without tasks (a user's own data) give no per-task table.
+    plain = judged(sft=(outcomes(120), scores(0.1, 0.5)))
+    assert "per task" not in markdown_table(plain)
+
+
 def test_a_benchmark_regression_is_a_paired_fall_beyond_max_drop_over_the_whole_interval(tmp_path: Path):
     docs = 64
 
@@ -251,6 +297,14 @@ def test_evaluate_compares_policies_on_shared_samples(trained_sft: Path, tmp_pat
     sft_samples = [s for s in samples if s["policy"] == "sft"]
     assert sum(s["correct"] for s in sft_samples) / n == pytest.approx(got["sft"]["heldout_accuracy"])
     assert sum(s["rm_score"] for s in sft_samples) / n == pytest.approx(got["sft"]["rm_score"])
+    # Per task: the prompts counted, each accuracy recounted from the samples, in the report.
+    tasks = metrics["heldout"]["tasks"]
+    assert len(tasks) > 1 and tasks == Counter(s["task"] for s in sft_samples)
+    for task, count in tasks.items():
+        right = [s["correct"] for s in samples if s["policy"] == "base" and s["task"] == task]
+        assert got["base"][f"heldout_accuracy_{task}"] == pytest.approx(sum(right) / count)
+        assert f"{task} ({count} prompts)" in (out / "report.md").read_text()
+        assert set(got["base"]["vs_reference"][f"heldout_accuracy_{task}"]) == {"value", "low", "high"}
 
     # Each policy is sampled once: sft's samples came with models/sft (drawn by the sft stage)
     # and with its unchanged export; only base, which carries none, was sampled here. They are

@@ -17,7 +17,8 @@ Samples, KL and RM scores that a training stage already measured are reused
 (``heldout_samples.jsonl``, ``heldout_measures.json`` beside the policy): a measure only when it
 names the DVC hash of this stage's reference or reward model.
 
-Every figure carries its 95% interval (``intervals``), and every policy its paired difference
+Every figure carries its 95% interval (``intervals``; held-out accuracy overall and on each
+task's prompts, ``heldout_accuracy_<task>``), and every policy its paired difference
 from the reference on the same prompts and documents (``vs_reference``,
 ``benchmark_vs_reference``; ``alignpipe.measure.intervals``). The flags fire only on
 differences the intervals support: ``suspected_reward_hacking`` when the RM score's difference
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +66,7 @@ from alignpipe.measure.heldout import (
 from alignpipe.measure.intervals import below, interval_of, paired_difference
 from alignpipe.measure.logprobs import kl_to_reference, load_policy
 from alignpipe.measure.reward_model import RewardModelScorer, hacking_suspected
+from alignpipe.report import TASK_ACCURACY
 from alignpipe.settings import Heldout, from_config
 
 METRIC_KEYS = ("heldout_accuracy", "rm_score", "mean_length", "kl_to_sft")
@@ -77,9 +80,9 @@ def same_vocabulary(a, b) -> bool:
 
 
 def add_intervals(policies: dict[str, dict[str, Any]], samples: list[dict], reference: str) -> None:
-    """Per policy, the 95% intervals of held-out accuracy and RM score (``intervals``) and, but for
-    the reference, the paired difference of each from the reference's on the same prompts
-    (``vs_reference``: ``{value, low, high}``)."""
+    """Per policy, the 95% intervals of held-out accuracy (overall and per task) and RM score
+    (``intervals``) and, but for the reference, the paired difference of each from the
+    reference's on the same prompts (``vs_reference``: ``{value, low, high}``)."""
     per: dict[str, list[dict]] = {name: [] for name in policies}
     for s in samples:
         per[s["policy"]].append(s)
@@ -88,13 +91,20 @@ def add_intervals(policies: dict[str, dict[str, Any]], samples: list[dict], refe
         mine = per[name]
         if [s["id"] for s in mine] != [s["id"] for s in ref]:
             raise ValueError(f"evaluate: {name}'s samples are not on {reference}'s prompts, in order")
-        columns = {"heldout_accuracy": "correct", "rm_score": "rm_score"}
-        have = {key: col for key, col in columns.items() if m.get(key) is not None}
-        m["intervals"] = {key: interval_of([s[col] for s in mine]) for key, col in have.items()}
+        # metrics.json key -> (samples.jsonl column, the task its prompts are limited to)
+        columns = {"heldout_accuracy": ("correct", None), "rm_score": ("rm_score", None)}
+        columns |= {
+            key: ("correct", key.removeprefix(TASK_ACCURACY)) for key in m if key.startswith(TASK_ACCURACY)
+        }
+        have = {key: spec for key, spec in columns.items() if m.get(key) is not None}
+
+        def values(rows: list[dict], column: str, task: str | None) -> list[float]:
+            return [s[column] for s in rows if task is None or s["task"] == task]
+
+        m["intervals"] = {key: interval_of(values(mine, *spec)) for key, spec in have.items()}
         if name != reference:
             m["vs_reference"] = {
-                key: paired_difference([s[col] for s in mine], [s[col] for s in ref])
-                for key, col in have.items()
+                key: paired_difference(values(mine, *spec), values(ref, *spec)) for key, spec in have.items()
             }
 
 
@@ -387,6 +397,7 @@ def run(ctx: StageContext) -> None:
         "heldout": {
             "data_path": settings.data_path,
             "prompts": len(rows),
+            "tasks": dict(sorted(Counter(r["task"] for r in rows if r.get("task")).items())),
             "seed": settings.seed,
             "temperature": settings.temperature,
             "max_new_tokens": settings.max_new_tokens,
