@@ -56,8 +56,6 @@ def run(ctx: StageContext) -> None:
 
 def materialise(ctx: StageContext, source: SM.ModelSource) -> None:
     """A local directory or Hub model into models/base, checked to load, with its lineage."""
-    from transformers import AutoConfig, AutoTokenizer
-
     final = ctx.output("model")
     with staged_dir(final) as out:
         if source.kind == "local":
@@ -67,6 +65,9 @@ def materialise(ctx: StageContext, source: SM.ModelSource) -> None:
         else:
             commit = SM.copy_snapshot(source, out)
             origin = SM.lineage(source, out, commit)
+        # Imported once the files are here: a wrong path or a refused download fails in a second.
+        from transformers import AutoConfig, AutoTokenizer
+
         try:
             config = AutoConfig.from_pretrained(out, local_files_only=True)
             tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
