@@ -55,8 +55,9 @@ def test_settings_left_off_pass():
     trl_args.refuse_gpu_only_settings(SimpleNamespace(name="rm", profile="tiny", config=off))
 
 
-# Guarded keys that exist in the rm/dpo tiny profiles (params knobs must name existing keys;
-# generation, async GRPO and NeMo-Gym keys belong to the RL stages' profiles).
+# Guarded keys that exist in every trainer's tiny profile (params knobs must name existing keys;
+# generation, async GRPO and NeMo-Gym keys belong to the RL stages' profiles). rlhf's come from
+# rlvr's profile, which it extends.
 STAGE_KEYS = [
     ("policy.megatron_cfg.enabled", True),
     ("policy.dtensor_cfg.cpu_offload", True),
@@ -67,7 +68,10 @@ STAGE_KEYS = [
     ("policy.dynamic_batching.enabled", True),
     ("cluster.num_nodes", 2),
 ]
-CASES = [(stage, key, value) for stage in ("rm", "dpo") for key, value in STAGE_KEYS]
+CASES = [(stage, key, value) for stage in ("sft", "rm", "dpo") for key, value in STAGE_KEYS]
+CASES += [
+    (stage, key, value) for stage in ("rlvr", "rlhf") for key, value in STAGE_KEYS[:1] + STAGE_KEYS[-1:]
+]
 
 
 @pytest.fixture(scope="module")

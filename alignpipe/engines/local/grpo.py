@@ -454,10 +454,10 @@ def run_grpo(
     held-out metrics (rlhf: reward-model scores) before the summary is written, and per-sample
     measures to publish with the samples (``heldout.measures_file``).
     """
+    refuse_unsupported_grpo(ctx)  # before the imports below: a refused setting fails in a second
     from datasets import Dataset
     from trl import GRPOConfig
 
-    refuse_unsupported_grpo(ctx)
     cfg = ctx.config
     apply_torch_threads(ctx)  # ~9x less CPU per GRPO step on a busy box (benchmarks/grpo_stages.md)
     adapter = lora.lora_settings(ctx)

@@ -136,6 +136,7 @@ def heldout_rm_metrics(
 
 def run(ctx: StageContext) -> None:
     source = check_settings(ctx)
+    grpo.refuse_unsupported_grpo(ctx)  # before the reward model loads (and torch with it)
     cfg = ctx.config
     rm_path = ctx.input("reward_model")
     if not (rm_path / "config.json").is_file():

@@ -74,12 +74,12 @@ def sft_examples(
 
 
 def run(ctx: StageContext) -> None:
+    refuse_gpu_only_settings(ctx)  # before the imports below: a refused setting fails in a second
+    adapter = lora.lora_settings(ctx)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    refuse_gpu_only_settings(ctx)
-    adapter = lora.lora_settings(ctx)
     apply_torch_threads(ctx)
     cfg = ctx.config
     model_path = resolve_model_path(ctx, cfg["policy"]["model_name"])
