@@ -340,6 +340,31 @@ def test_judge_pairwise_mode_compares_with_the_group_anchor_in_both_orders():
     assert fail == 3 / 8
 
 
+def test_a_pairwise_judge_validates_each_answer_against_the_sft_answer():
+    """Validation answers each prompt once: no group, so no anchor of its own. Each answer is
+    compared, in both orders, with the SFT policy's answer to its prompt."""
+    cfg = judge_settings({"mode": "pairwise"})
+    asked = []
+
+    def fake(prompts):
+        asked.extend(prompts)
+        return ["A", "B", "B", "A", "A", "?"][: len(prompts)]  # wins, loses, wins once
+
+    sft = {"p0": "s0", "p1": "s1", "p2": "s2"}
+    score = rlhf.judge_score_fn(cfg, fake, group_size=4, sft_answers=sft)
+    logged = {}
+    rows = [{"prompt": p} for p in ("p0", "p1", "p2")]
+    rewards = score(rows, ["x", "y", "z"], [1, 1, 1], lambda k, v: logged.setdefault(k, v))
+    assert rewards == [1.0, 0.0, 1.0] and logged["judge_parse_fail_fraction"] == 1 / 6
+    assert len(asked) == 6
+    assert "A:x" in asked[0] and "B:s0" in asked[0] and "A:s0" in asked[1] and "B:x" in asked[1]
+    assert "A:z" in asked[4] and "B:s2" in asked[4]
+    # Rollouts (groups of one prompt) still compare with their group's first answer.
+    asked.clear()
+    score(rows[:1] * 4, ["a", "b", "c", "d"], [1] * 4, lambda k, v: None)
+    assert not any("s0" in p for p in asked) and "B:a" in asked[0]
+
+
 def test_judge_verdict_and_score_parsers():
     assert judge.parse_verdict(" B is better") == "B"
     assert judge.parse_verdict("Answer: A") == "A"

@@ -27,7 +27,7 @@ LOCAL_ONLY = {
     "rlhf": {"train/reward_std", "train/frac_zero_std_groups", "train/clip_fraction", "val/reward_std",
              "train/verifier_accuracy", "train/rm_score", "train/judge_parse_fail_fraction",
              "val/verifier_accuracy", "val/rm_score", "val/verifier_accuracy_low",
-             "val/verifier_accuracy_high"},
+             "val/verifier_accuracy_high", "val/judge_parse_fail_fraction"},
 }  # fmt: skip
 NEMO_RL_ONLY = {
     "dpo": {"train/preference_loss"},

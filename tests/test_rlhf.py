@@ -82,13 +82,18 @@ def test_judge_mode_runs_and_counts_unparseable_verdicts(rlhf_repo, tmp_path):
         shutil.rmtree(root / out)
     knobs = {
         **FAST_GRPO,
-        "grpo": {**FAST_GRPO["grpo"], "max_num_steps": 2},
+        # validated at the start and the end, on 16 prompts
+        "grpo": {**FAST_GRPO["grpo"], "max_num_steps": 2, "max_val_samples": 16, "val_at_end": True},
         "alignpipe": {"reward_source": "judge", "judge": {"mode": "pairwise", "unparseable": 0.5}},
     }
     set_params(root, {"rlhf": knobs})
     run_cli(root, "run", "rlhf", env={"ALIGNPIPE_SCRATCH": str(tmp_path / "scratch")})
     metrics = json.loads((root / "results/rlhf/metrics.json").read_text())
     assert 0.0 <= metrics["train"]["judge_parse_fail_fraction"] <= 1.0
+    # Validation compared every answer with the SFT policy's answer to its prompt. The tiny
+    # judge has no A or B in its vocabulary, so none of those verdicts parsed (with no anchor,
+    # as before, it was asked nothing and this was 0).
+    assert metrics["val"]["judge_parse_fail_fraction"] == 1.0 and metrics["val"]["reward_mean"] == 0.5
     # Every reward is a win rate or the configured fallback: within [0, 1].
     assert 0.0 <= metrics["train"]["reward_mean"] <= 1.0
     assert "rm_score" in metrics["heldout"]  # the RM still measures the held-out answers

@@ -216,6 +216,12 @@ VOCABULARY: dict[str, tuple[Metric, ...]] = {
         ),
         *_VALIDATION_INTERVAL,
         Metric("val/rm_score", "eval_rm_score", (), "raw reward-model score on validation (local only)"),
+        Metric(
+            "val/judge_parse_fail_fraction",
+            "eval_judge_parse_fail_fraction",
+            (),
+            "judge verdicts on validation answers that did not parse (local only)",
+        ),
     ),
 }
 

@@ -32,7 +32,7 @@ from alignpipe.engines.local.torch_threads import apply_torch_threads
 from alignpipe.engines.local.trl_args import refuse_gpu_only_settings, trl_common_args
 from alignpipe.errors import ConfigError, NoLearningSignal, UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
-from alignpipe.measure.generation import prompt_messages
+from alignpipe.measure.generation import generate, prompt_messages
 from alignpipe.measure.heldout import (
     headline,
     log_heldout,
@@ -441,6 +441,37 @@ def conversational(rows: list[dict[str, Any]], system: str | None = None) -> lis
 # ----------------------------------------------------------------------------- run
 
 
+def validation_rows(ctx: StageContext) -> list[dict[str, Any]] | None:
+    """The rows GRPO validates on (the first ``grpo.max_val_samples``), or ``None`` when the
+    stage does not validate (no ``grpo.val_period`` or no validation data)."""
+    cfg = ctx.config
+    val_path = get_path(cfg, "data.validation.data_path")
+    if not (val_path and int(get_path(cfg, "grpo.val_period", 0) or 0)):
+        return None
+    rows = read_jsonl(ctx.root / val_path)
+    limit = get_path(cfg, "grpo.max_val_samples")
+    return rows[: int(limit)] if limit else rows
+
+
+def policy_answers(ctx: StageContext, rows: list[dict[str, Any]]) -> list[str]:
+    """The starting policy's answer to each row, sampled as the stage's rollouts and validation
+    answers are (``policy.generation``: token budget, temperature, top-p; ``grpo.seed``), with
+    the stage's system prompt."""
+    gen = get_path(ctx.config, "policy.generation", {}) or {}
+    model, tokenizer = load_policy(lora.full_policy_dir(ctx, str(ctx.input("policy")), LOCAL_DTYPE))
+    return generate(
+        model,
+        tokenizer,
+        [r["prompt"] for r in rows],
+        max_new_tokens=int(gen.get("max_new_tokens", 16)),
+        temperature=float(gen.get("temperature", 1.0)),
+        top_p=float(gen.get("top_p", 1.0) or 1.0),
+        batch_size=int(get_path(ctx.config, "grpo.val_batch_size", 64) or 64),
+        seed=int(get_path(ctx.config, "grpo.seed", ctx.seed)),
+        system=ctx.system_prompt,
+    )
+
+
 def run_grpo(
     ctx: StageContext,
     reward_fn: RewardFn,
@@ -471,14 +502,8 @@ def run_grpo(
 
     train_rows = read_jsonl(ctx.root / get_path(cfg, data_key))
     train = Dataset.from_list(conversational(train_rows, ctx.system_prompt))
-    val_path = get_path(cfg, "data.validation.data_path")
-    val = None
-    if val_path and int(get_path(cfg, "grpo.val_period", 0) or 0):
-        val_rows = read_jsonl(ctx.root / val_path)
-        limit = get_path(cfg, "grpo.max_val_samples")
-        val = Dataset.from_list(
-            conversational(val_rows[: int(limit)] if limit else val_rows, ctx.system_prompt)
-        )
+    val_rows = validation_rows(ctx)
+    val = Dataset.from_list(conversational(val_rows, ctx.system_prompt)) if val_rows is not None else None
 
     args = GRPOConfig(**grpo_args(ctx, ctx.scratch_dir))
     reward_fn.guard = ZeroRewardGuard(

@@ -9,6 +9,9 @@ Settings: ``alignpipe.judge`` (``alignpipe.settings.Judge``). Two modes (``mode`
   completion, GRPO groups are contiguous) in both orders, to cancel the judge's position
   bias; the verdict is the first standalone ``A`` or ``B`` in the reply. The reward is
   the candidate's win rate over the parseable verdicts (the anchor itself gets 0.5).
+  Validation answers each prompt once, so there is no group: each answer is compared, the
+  same way, with the SFT policy's answer to its prompt (``judge_against``), and the
+  validation reward is the win rate against SFT (0.5: as good as SFT by the judge).
 
 An unparseable verdict gives ``judge.unparseable`` (default ``None``: the reward is
 unknown, the sample is left out of its group's baseline and gets advantage 0), and the
@@ -88,25 +91,36 @@ def judge_rewards(
 
     if len(responses) % group_size:
         raise ValueError(f"{len(responses)} responses are not whole groups of {group_size}")
-    # Each non-anchor completion against its group's anchor, candidate first and then second.
-    pairs: list[tuple[int, int]] = []  # (candidate index, anchor index)
-    for i in range(len(responses)):
-        anchor = i - i % group_size
-        if i != anchor:
-            pairs.append((i, anchor))
-    judge_prompts = []
-    for cand, anchor in pairs:
-        judge_prompts.append(build_pairwise_prompt(cfg, prompts[cand], responses[cand], responses[anchor]))
-        judge_prompts.append(build_pairwise_prompt(cfg, prompts[cand], responses[anchor], responses[cand]))
-    replies = generate(judge_prompts) if judge_prompts else []
-    verdicts = [parse_verdict(x) for x in replies]
+    # Each non-anchor completion against its group's anchor.
+    pairs = [(i, i - i % group_size) for i in range(len(responses)) if i % group_size]
+    won, fails = judge_against(
+        cfg, generate, [prompts[c] for c, _ in pairs], [responses[c] for c, _ in pairs],
+        [responses[a] for _, a in pairs],
+    )  # fmt: skip
     rewards: list[float | None] = [0.5 if i % group_size == 0 else None for i in range(len(responses))]
-    for k, (cand, _) in enumerate(pairs):
-        first, second = verdicts[2 * k], verdicts[2 * k + 1]
+    for (cand, _), reward in zip(pairs, won, strict=True):
+        rewards[cand] = reward
+    return rewards, fails
+
+
+def judge_against(
+    cfg: Judge, generate: Generate, prompts: list[str], candidates: list[str], anchors: list[str]
+) -> tuple[list[float | None], float]:
+    """Pairwise rewards of ``candidates`` against their ``anchors`` (a group's first completion;
+    in validation, the SFT policy's answer to the same prompt), and the unparseable fraction.
+    Each pair is judged in both orders, candidate first and then second, which cancels the
+    judge's position bias; the reward is the candidate's share of the parseable verdicts it won,
+    else ``cfg.unparseable``."""
+    judge_prompts = []
+    for prompt, cand, anchor in zip(prompts, candidates, anchors, strict=True):
+        judge_prompts.append(build_pairwise_prompt(cfg, prompt, cand, anchor))
+        judge_prompts.append(build_pairwise_prompt(cfg, prompt, anchor, cand))
+    verdicts = [parse_verdict(x) for x in generate(judge_prompts)] if judge_prompts else []
+    rewards: list[float | None] = []
+    for first, second in zip(verdicts[::2], verdicts[1::2], strict=True):
         wins = [v == "A" for v in (first,) if v is not None] + [v == "B" for v in (second,) if v is not None]
-        rewards[cand] = sum(wins) / len(wins) if wins else cfg.unparseable
-    fails = sum(v is None for v in verdicts)
-    return rewards, fails / max(1, len(verdicts))
+        rewards.append(sum(wins) / len(wins) if wins else cfg.unparseable)
+    return rewards, sum(v is None for v in verdicts) / max(1, len(verdicts))
 
 
 def load_judge(cfg: Judge, resolve: Callable[[str], str]) -> Generate:

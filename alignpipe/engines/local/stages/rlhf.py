@@ -28,7 +28,7 @@ from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.data.schema import transcript
 from alignpipe.engines.local import grpo
-from alignpipe.engines.local.judge import judge_rewards, load_judge
+from alignpipe.engines.local.judge import judge_against, judge_rewards, load_judge
 from alignpipe.errors import ConfigError, UnsupportedSetting
 from alignpipe.measure.heldout import HeldoutSamples, load_scores
 from alignpipe.measure.intervals import paired_difference
@@ -75,19 +75,42 @@ def rm_score_fn(scorer: RewardModelScorer, bounds: list[float | None] | None) ->
     return score
 
 
-def judge_score_fn(judge_cfg: Judge, generate, group_size: int) -> Callable[..., list[float | None]]:
+def judge_score_fn(
+    judge_cfg: Judge, generate, group_size: int, sft_answers: dict[str, str] | None = None
+) -> Callable[..., list[float | None]]:
+    """The judge's rewards. ``sft_answers`` (prompt transcript -> the SFT policy's answer): a
+    pairwise judge's anchors in validation, which answers each prompt once."""
+
     def score(rows: list[dict], texts: list[str], num_tokens: list[int], log_metric) -> list[float | None]:
         prompts = [transcript(r["prompt"]) for r in rows]
-        # Rollouts come as groups of identical prompts; validation answers each prompt once,
-        # and a pairwise judge then has no anchor to compare with (each answer scores 0.5).
+        # Rollouts come as groups of identical prompts, each group compared with its first answer.
         grouped = len(prompts) % group_size == 0 and all(
             p == prompts[i - i % group_size] for i, p in enumerate(prompts)
         )
-        rewards, fail = judge_rewards(judge_cfg, generate, prompts, texts, group_size if grouped else 1)
+        if (
+            not grouped
+            and judge_cfg.mode == "pairwise"
+            and sft_answers
+            and all(p in sft_answers for p in prompts)
+        ):
+            anchors = [sft_answers[p] for p in prompts]
+            rewards, fail = judge_against(judge_cfg, generate, prompts, texts, anchors)
+        else:
+            rewards, fail = judge_rewards(judge_cfg, generate, prompts, texts, group_size if grouped else 1)
         log_metric("judge_parse_fail_fraction", fail)
         return rewards
 
     return score
+
+
+def sft_validation_answers(ctx: StageContext, judge_cfg: Judge) -> dict[str, str] | None:
+    """A pairwise judge's validation anchors: the SFT policy's answer to each validation prompt,
+    drawn as the policy's own validation answers are (``grpo.policy_answers``)."""
+    rows = grpo.validation_rows(ctx)
+    if judge_cfg.mode != "pairwise" or not rows:
+        return None
+    answers = grpo.policy_answers(ctx, rows)
+    return {transcript(r["prompt"]): a for r, a in zip(rows, answers, strict=True)}
 
 
 def heldout_rm_metrics(
@@ -156,7 +179,10 @@ def run(ctx: StageContext) -> None:
 
         generate = load_judge(judge_cfg, resolve)
         group = int(get_path(cfg, "grpo.num_generations_per_prompt", 8))
-        reward = grpo.RewardFn(judge_score_fn(judge_cfg, generate, group), name="judge", scaling=scaling)
+        anchors = sft_validation_answers(ctx, judge_cfg)
+        reward = grpo.RewardFn(
+            judge_score_fn(judge_cfg, generate, group, anchors), name="judge", scaling=scaling
+        )
 
     def after(live, samples, reference, measures) -> dict[str, float]:
         return heldout_rm_metrics(ctx, scorer, samples, reference, live, measures)
