@@ -457,6 +457,7 @@ def policy_answers(ctx: StageContext, rows: list[dict[str, Any]]) -> list[str]:
     """The starting policy's answer to each row, sampled as the stage's rollouts and validation
     answers are (``policy.generation``: token budget, temperature, top-p; ``grpo.seed``), with
     the stage's system prompt."""
+    apply_torch_threads(ctx)  # the profile's count, whatever runs first: the same bytes anywhere
     gen = get_path(ctx.config, "policy.generation", {}) or {}
     model, tokenizer = load_policy(lora.full_policy_dir(ctx, str(ctx.input("policy")), LOCAL_DTYPE))
     return generate(
