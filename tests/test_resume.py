@@ -29,24 +29,34 @@ from tests.conftest import OFFLINE, run_cli, set_params, set_writable, writable_
 pytestmark = pytest.mark.slow
 
 GRPO = {
-    # Validated at the start and at each checkpoint (the learning curve): a resume replays it.
-    "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 4, "max_num_steps": 4, "val_period": 2},
-    "policy": {"train_global_batch_size": 32, "train_micro_batch_size": 32},
+    # Validated (on 32 prompts) at the start and at each checkpoint (the learning curve): a
+    # resume replays it.
+    # 16 rollouts a step (the profile has 128), one optimizer step each: the resume logic is
+    # the same at any size.
+    "grpo": {
+        "num_prompts_per_step": 4,
+        "num_generations_per_prompt": 4,
+        "max_num_steps": 4,
+        "val_period": 2,
+        "max_val_samples": 32,
+        "val_batch_size": 32,
+    },
+    "policy": {"train_global_batch_size": 16, "train_micro_batch_size": 16},
     "checkpointing": {"save_period": 2},
 }
-# 20 steps, logged and validated every 10 (val_period sets the logging period), checkpoints
-# at 15 (mid-window) and 20 (the last step, which is also validated).
-SHORT = {"max_num_steps": 20, "val_period": 10, "val_at_start": True}
+# 8 steps, logged and validated every 4 (val_period sets the logging period), checkpoints
+# at 6 (mid-window) and 8 (the last step, which is also validated).
+SHORT = {"max_num_steps": 8, "val_period": 4, "val_at_start": True}
 SETTINGS = {
-    "sft": {"sft": SHORT, "checkpointing": {"save_period": 15}},
+    "sft": {"sft": SHORT, "checkpointing": {"save_period": 6}},
     # 32 pairs in two micro-batches, not the profile's 128: accumulation still spans a step, at a
     # quarter of the compute (the resume logic is the same at any batch size).
     "rm": {
         "rm": SHORT,
-        "checkpointing": {"save_period": 15},
+        "checkpointing": {"save_period": 6},
         "policy": {"train_global_batch_size": 32, "train_micro_batch_size": 16},
     },
-    "dpo": {"dpo": SHORT, "checkpointing": {"save_period": 15}},
+    "dpo": {"dpo": SHORT, "checkpointing": {"save_period": 6}},
     "rlvr": GRPO,
     "rlhf": GRPO,
 }
