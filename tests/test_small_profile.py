@@ -16,22 +16,22 @@ import pytest
 from alignpipe.artifacts import dvc_hash
 from alignpipe.config import compose_params_text
 from tests import smollm2
-from tests.conftest import copy_repo, merged, run_cli, set_params
+from tests.conftest import ONE_THREAD, copy_repo, merged, run_cli, set_params
 
 pytestmark = pytest.mark.slow
 
-# The same held-out prompts in every stage (samples are reused), and one torch thread: the suite
-# keeps both cores busy, and a 135M model's second thread costs 10% more CPU for its speed-up.
-ALIGNPIPE = {"alignpipe": {"heldout": {"limit": 8}, "torch_threads": 1}}
-REDUCED = {
-    "sft": merged({"sft": {"max_num_steps": 8, "val_global_batch_size": 8, "val_micro_batch_size": 8}}, ALIGNPIPE),
+# The same held-out prompts in every stage (samples are reused), and the fixtures' one torch
+# thread: the suite keeps both cores busy, and a 135M model's second thread costs 10% more CPU.
+HELDOUT = {"alignpipe": {"heldout": {"limit": 8}}}
+REDUCED = merged(ONE_THREAD, {
+    "sft": merged({"sft": {"max_num_steps": 8, "val_global_batch_size": 8, "val_micro_batch_size": 8}}, HELDOUT),
     # Validation on 8 prompts at the end alone: the test reads no learning curve.
     "rlvr": merged({"grpo": {"max_num_steps": 2, "max_val_samples": 8, "val_batch_size": 8, "val_at_start": False}},
-                   ALIGNPIPE),
-    "convert": {"alignpipe": {"export": {"verify": {"prompts": 2}}, "torch_threads": 1}},
+                   HELDOUT),
+    "convert": {"alignpipe": {"export": {"verify": {"prompts": 2}}}},
     "benchmark": {"alignpipe": {"benchmark": {"tasks": [
-        {"name": "heldout_boxed", "limit": 8}, {"name": "preference_choice", "limit": 8}]}, "torch_threads": 1}},
-}  # fmt: skip
+        {"name": "heldout_boxed", "limit": 8}, {"name": "preference_choice", "limit": 8}]}}},
+})  # fmt: skip
 
 
 @pytest.fixture(scope="session")
