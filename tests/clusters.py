@@ -6,9 +6,9 @@
   in a temp dir, free ports; ``slurmctld -D`` and the slurmds are child processes, with a
   bounded wait until ``sinfo`` shows both nodes idle; teardown cancels its jobs and stops
   the daemons.
-- ``ray_cluster``: a Ray head (``ray start --head --block``, token auth off) with the
-  dashboard and Jobs API on free ports; teardown sends it SIGTERM and kills whatever is left
-  in its session. ``ray_head(**env)`` starts one with other settings (token auth).
+- ``ray_cluster``: a Ray head (``ray start --head --block``, token auth off) for one test
+  module, with the dashboard and Jobs API on free ports; teardown sends it SIGTERM and kills
+  whatever is left in its session. ``ray_head(**env)`` starts one with other settings (token auth).
 
 When the software is missing the fixtures install it the way CI does
 (``.ci/install-clusters.sh``) instead of skipping. Test modules import the fixtures:
@@ -342,7 +342,10 @@ def ray_head(**env_overrides: str) -> Iterator[RayCluster]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
+# Per module, not per session: an idle head (GCS, raylet, dashboard) keeps about a tenth of a
+# core busy, which over the rest of a session was ~130 s of the suite's CPU (benchmarks/RESULTS.md,
+# "stop 49"). Its one user is tests/test_ray.py.
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayCluster]:
     # A loopback test cluster without token auth: Ray >= 2.60 turns it on for a new head
     # whenever ~/.ray/auth_token exists (any local `ray.init()` writes one).

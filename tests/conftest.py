@@ -205,11 +205,13 @@ def set_model(root: Path, name: str | None, **more) -> None:
 
 
 def run_cli(root: Path, *args: str, env: dict | None = None, check: bool = True, timeout: float = 900):
-    """Run the real ``alignpipe`` CLI in ``root`` as DVC would."""
+    """Run the real ``alignpipe`` CLI in ``root`` as DVC would: a stage run in a process forked
+    from one that has imported torch and transformers already (tests/stage_runner.py), anything
+    else in a new process."""
+    from tests import stage_runner
+
     full_env = {**os.environ, **OFFLINE, "ALIGNPIPE_ROOT": str(root), **(env or {})}
-    proc = subprocess.run(
-        ["alignpipe", *args], cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout
-    )
+    proc = stage_runner.run(["alignpipe", *args], cwd=root, env=full_env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"alignpipe {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"

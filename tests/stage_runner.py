@@ -1,0 +1,227 @@
+"""``alignpipe run`` for the tests, forked from an interpreter that has already imported torch,
+transformers, TRL and datasets, instead of exec'd afresh.
+
+Every stage process spends about 7 s of CPU importing those before its first step, and the
+suite runs more than a hundred (benchmarks/RESULTS.md, "stop 49"). ``run`` hands a stage run to
+a server process (one per test worker, started on first use) that has done those imports with
+the environment a stage process has when it does them (``set_offline_env``, ``set_cpu_env``,
+the console's ``QUIET_ENV``, ``skip_unused_libraries``). The server forks; the child takes the
+run's directory, environment, argv and output files and calls ``alignpipe.cli.main``: the same
+code from the command line on, in a process of its own.
+
+A run gets a fresh interpreter instead (``subprocess.run``, as before) when the fork could
+behave differently from one:
+
+- its environment differs from the server's in a variable other than ``RUNTIME_ONLY`` (the
+  libraries read ``HF_*``, ``TRANSFORMERS_*``, ``OMP_*``, ``HOME`` ... once, at import);
+- the stage is one that imports what the server keeps out (``USE_SCIENTIFIC_STACK``);
+- it is not ``alignpipe run`` (``plan`` and the others import no torch: nothing to save);
+- ``ALIGNPIPE_TEST_FRESH_PROCESSES=1`` is set (every run fresh: how to rule the runner out).
+
+Stage processes started by ``dvc repro`` (the tiny pipeline, the DVC tests) and by the tests
+that kill a stage are real processes, and tests/test_stage_runner.py checks that a forked run
+publishes the same bytes as a fresh one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from pathlib import Path
+
+from alignpipe.engines.local.stages import USE_SCIENTIFIC_STACK
+
+FRESH = "ALIGNPIPE_TEST_FRESH_PROCESSES"
+# Read by the stage's own code at run time, never by a library at import: may differ per run.
+RUNTIME_ONLY = frozenset({"PATH", "PWD", "OLDPWD", "PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED"})
+RUNTIME_ONLY_PREFIXES = ("ALIGNPIPE_",)
+
+_server: _Server | None = None
+_lock = threading.Lock()
+
+
+def run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)``,
+    forked from the preloaded server where that is the same thing (module docstring)."""
+    if not _forkable(argv, env):
+        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    global _server
+    with _lock:
+        if _server is None or not _server.alive():
+            _server = _Server(env)
+        if _differs(_server.env, env):  # another worker-wide environment since the server started
+            return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        return _server.run(argv, cwd, env, timeout)
+
+
+def _forkable(argv: list[str], env: dict[str, str]) -> bool:
+    if env.get(FRESH) == "1" or len(argv) < 3 or Path(argv[0]).name != "alignpipe" or argv[1] != "run":
+        return False
+    return argv[2].split("@")[0] not in USE_SCIENTIFIC_STACK
+
+
+def _differs(server_env: dict[str, str], env: dict[str, str]) -> list[str]:
+    return [
+        k
+        for k in sorted(server_env.keys() | env.keys())
+        if server_env.get(k) != env.get(k)
+        and k not in RUNTIME_ONLY
+        and not k.startswith(RUNTIME_ONLY_PREFIXES)
+    ]
+
+
+class _Server:
+    """The preloaded interpreter: requests as JSON lines on its stdin, answers on its stdout."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = dict(env)
+        self.served = 0  # runs forked so far
+        fd, log = tempfile.mkstemp(prefix="alignpipe-stage-runner-", suffix=".log")
+        os.close(fd)
+        self.log = Path(log)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.stage_runner"],
+            cwd=Path(__file__).resolve().parents[1],
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            bufsize=0,  # unbuffered answers: select() sees every line that has arrived
+            stderr=self.log.open("w"),
+        )
+        atexit.register(self.close)
+        ready = self._answer(timeout=300)
+        if ready.get("ready") is not True:
+            raise RuntimeError(f"the stage runner did not start:\n{self.log.read_text()[-4000:]}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def _answer(self, timeout: float | None = None) -> dict:
+        if timeout is not None and not select.select([self.proc.stdout], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired("stage runner", timeout)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the stage runner exited:\n{self.log.read_text()[-4000:]}")
+        return json.loads(line)
+
+    def run(
+        self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float
+    ) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory(prefix="alignpipe-run-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+            pid = self._answer()["pid"]
+            self.served += 1
+            try:
+                code = self._answer(timeout)["returncode"]
+            except subprocess.TimeoutExpired:
+                os.killpg(pid, signal.SIGKILL)  # the stage and whatever it started
+                self._answer()
+                raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text()) from None
+            return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
+
+
+# --- the server side -------------------------------------------------------------------------
+
+
+def _preload() -> None:
+    """What a stage process has imported before its first step, in the environment it imports
+    them in (alignpipe.stage.run_stage)."""
+    from alignpipe.console import QUIET_ENV
+    from alignpipe.context import set_cpu_env, set_offline_env
+    from alignpipe.engines.local.stages import skip_unused_libraries
+
+    set_offline_env()
+    set_cpu_env()
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    skip_unused_libraries("sft")  # the server serves no USE_SCIENTIFIC_STACK stage
+
+    import datasets  # noqa: F401
+    import peft  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    import trl  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: F401
+
+
+def _child(request: dict) -> None:
+    """In the forked child: become the requested ``alignpipe`` process, then exit with its code."""
+    code = 1
+    try:
+        os.setpgid(0, 0)  # a group of its own, as a timeout kills it with whatever it started
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        stdout = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        stderr = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        # As the console script runs: argv[0] and sys.path[0] are the script's path and directory.
+        script = shutil.which(request["argv"][0], path=os.environ.get("PATH"))
+        sys.argv = [script, *request["argv"][1:]]
+        sys.path[0] = os.path.dirname(script)
+        from alignpipe.cli import main
+
+        code = main(sys.argv[1:])
+    except SystemExit as e:  # as the interpreter exits: None is 0, a message is printed and 1
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve() -> None:
+    _preload()
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # nothing the server imports may write into the answers
+    answers.write(json.dumps({"ready": True}) + "\n")
+    answers.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        assert threading.active_count() == 1, "forking with threads running"
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            answers.close()
+            _child(request)
+        answers.write(json.dumps({"pid": pid}) + "\n")
+        answers.flush()
+        _, status = os.waitpid(pid, 0)
+        answers.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        answers.flush()
+
+
+if __name__ == "__main__":
+    serve()
