@@ -3,9 +3,11 @@ transformers, TRL and datasets, instead of exec'd afresh.
 
 Every stage process spends about 7 s of CPU importing those before its first step, and the
 suite runs more than a hundred (benchmarks/RESULTS.md, "stop 49"). ``run`` hands a stage run to
-a server process (one per test worker, started on first use) that has done those imports with
+a server process (per test worker, started on first use) that has done those imports with
 the environment a stage process has when it does them (``set_offline_env``, ``set_cpu_env``,
-the console's ``QUIET_ENV``, ``skip_unused_libraries``). The server forks; the child takes the
+the console's ``QUIET_ENV``, ``skip_unused_libraries``): one server for the stages that keep
+scikit-learn and SciPy out, one with them and lm-eval for those that do not
+(``USE_SCIENTIFIC_STACK``, benchmark). The server forks; the child takes the
 run's directory, environment, argv and output files and calls ``alignpipe.cli.main``: the same
 code from the command line on, in a process of its own.
 
@@ -14,7 +16,6 @@ behave differently from one:
 
 - its environment differs from the server's in a variable other than ``RUNTIME_ONLY`` (the
   libraries read ``HF_*``, ``TRANSFORMERS_*``, ``OMP_*``, ``HOME`` ... once, at import);
-- the stage is one that imports what the server keeps out (``USE_SCIENTIFIC_STACK``);
 - it is not ``alignpipe run`` (``plan`` and the others import no torch: nothing to save);
 - ``ALIGNPIPE_TEST_FRESH_PROCESSES=1`` is set (every run fresh: how to rule the runner out).
 
@@ -45,7 +46,7 @@ FRESH = "ALIGNPIPE_TEST_FRESH_PROCESSES"
 RUNTIME_ONLY = frozenset({"PATH", "PWD", "OLDPWD", "PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED"})
 RUNTIME_ONLY_PREFIXES = ("ALIGNPIPE_",)
 
-_server: _Server | None = None
+_servers: dict[str, _Server] = {}  # by flavour: "lean", "scientific"
 _lock = threading.Lock()
 
 
@@ -54,19 +55,31 @@ def run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> s
     forked from the preloaded server where that is the same thing (module docstring)."""
     if not _forkable(argv, env):
         return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    global _server
+    flavour = "scientific" if _stage(argv) in USE_SCIENTIFIC_STACK else "lean"
     with _lock:
-        if _server is None or not _server.alive():
-            _server = _Server(env)
-        if _differs(_server.env, env):  # another worker-wide environment since the server started
+        server = _servers.get(flavour)
+        # The server imports in this worker's environment; a run that changes an import-time
+        # variable of it (a test's HF_HOME, say) is no fork of that server.
+        if server is None or not server.alive():
+            if _differs(dict(os.environ), env):
+                return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+            server = _servers[flavour] = _Server(flavour, dict(os.environ))
+        if _differs(server.env, env):
             return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-        return _server.run(argv, cwd, env, timeout)
+        return server.run(argv, cwd, env, timeout)
+
+
+def served() -> int:
+    """How many runs this worker has forked so far."""
+    return sum(server.served for server in _servers.values())
+
+
+def _stage(argv: list[str]) -> str:
+    return argv[2].split("@")[0]
 
 
 def _forkable(argv: list[str], env: dict[str, str]) -> bool:
-    if env.get(FRESH) == "1" or len(argv) < 3 or Path(argv[0]).name != "alignpipe" or argv[1] != "run":
-        return False
-    return argv[2].split("@")[0] not in USE_SCIENTIFIC_STACK
+    return env.get(FRESH) != "1" and len(argv) >= 3 and Path(argv[0]).name == "alignpipe" and argv[1] == "run"
 
 
 def _differs(server_env: dict[str, str], env: dict[str, str]) -> list[str]:
@@ -82,14 +95,14 @@ def _differs(server_env: dict[str, str], env: dict[str, str]) -> list[str]:
 class _Server:
     """The preloaded interpreter: requests as JSON lines on its stdin, answers on its stdout."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, flavour: str, env: dict[str, str]) -> None:
         self.env = dict(env)
         self.served = 0  # runs forked so far
         fd, log = tempfile.mkstemp(prefix="alignpipe-stage-runner-", suffix=".log")
         os.close(fd)
         self.log = Path(log)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.stage_runner"],
+            [sys.executable, "-m", "tests.stage_runner", flavour],
             cwd=Path(__file__).resolve().parents[1],
             env=self.env,
             stdin=subprocess.PIPE,
@@ -143,7 +156,7 @@ class _Server:
 # --- the server side -------------------------------------------------------------------------
 
 
-def _preload() -> None:
+def _preload(flavour: str) -> None:
     """What a stage process has imported before its first step, in the environment it imports
     them in (alignpipe.stage.run_stage)."""
     from alignpipe.console import QUIET_ENV
@@ -154,7 +167,8 @@ def _preload() -> None:
     set_cpu_env()
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
-    skip_unused_libraries("sft")  # the server serves no USE_SCIENTIFIC_STACK stage
+    if flavour == "lean":
+        skip_unused_libraries("sft")
 
     import datasets  # noqa: F401
     import peft  # noqa: F401
@@ -162,6 +176,11 @@ def _preload() -> None:
     import transformers  # noqa: F401
     import trl  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: F401
+
+    if flavour == "scientific":
+        from lm_eval import simple_evaluate  # noqa: F401
+        from lm_eval.models.huggingface import HFLM  # noqa: F401
+        from lm_eval.tasks import TaskManager  # noqa: F401
 
 
 def _child(request: dict) -> None:
@@ -201,8 +220,8 @@ def _child(request: dict) -> None:
             os._exit(code)
 
 
-def serve() -> None:
-    _preload()
+def serve(flavour: str) -> None:
+    _preload(flavour)
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # nothing the server imports may write into the answers
     answers.write(json.dumps({"ready": True}) + "\n")
@@ -224,4 +243,4 @@ def serve() -> None:
 
 
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[1])

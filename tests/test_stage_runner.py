@@ -30,20 +30,21 @@ def test_a_forked_stage_publishes_the_same_bytes_as_a_new_process(trained_sft: P
         env = {"ALIGNPIPE_SCRATCH": str(tmp_path / how / "scratch")}
         if how == "new":
             env[stage_runner.FRESH] = "1"
-        served = stage_runner._server.served if stage_runner._server else 0
+        served = stage_runner.served()
         run_cli(root, "run", "sft", env=env)
-        assert (stage_runner._server.served - served) == (how == "forked"), how
-        published[how] = {out: _digests(root / out) for out in ("models/sft", "results/sft")}
-    assert published["forked"]["models/sft"] and published["forked"] == published["new"]
+        run_cli(root, "run", "benchmark", "--source", "sft", env=env)  # the server with lm-eval
+        assert stage_runner.served() - served == 2 * (how == "forked"), how
+        published[how] = {
+            out: _digests(root / out) for out in ("models/sft", "results/sft", "results/benchmark/sft")
+        }
+    assert published["forked"]["results/benchmark/sft"] and published["forked"] == published["new"]
 
 
 def test_runs_the_fork_could_change_get_a_new_process() -> None:
     env = {**os.environ, **OFFLINE, "ALIGNPIPE_ROOT": "/somewhere"}
     assert stage_runner._forkable(["alignpipe", "run", "sft"], env)
     assert stage_runner._forkable(["alignpipe", "run", "convert", "--source", "dpo"], env)
-    assert not stage_runner._forkable(
-        ["alignpipe", "run", "benchmark", "--source", "sft"], env
-    )  # imports scikit-learn
+    assert stage_runner._forkable(["alignpipe", "run", "benchmark", "--source", "sft"], env)
     assert not stage_runner._forkable(["alignpipe", "plan", "sft"], env)
     assert not stage_runner._forkable(["alignpipe", "run", "sft"], {**env, stage_runner.FRESH: "1"})
     # Read by libraries at import: a run that sets one other than the server's is not forked.
