@@ -19,14 +19,16 @@ behave differently from one:
 - it is not ``alignpipe run`` (``plan`` and the others import no torch: nothing to save);
 - ``ALIGNPIPE_TEST_FRESH_PROCESSES=1`` is set (every run fresh: how to rule the runner out).
 
-Stage processes started by ``dvc repro`` (the tiny pipeline, the DVC tests) and by the tests
-that kill a stage are real processes, and tests/test_stage_runner.py checks that a forked run
-publishes the same bytes as a fresh one.
+``start`` is the same for a run the test watches and kills (tests/test_resume.py): a forked
+run leads a process group of its own, as ``start_new_session`` gives a new one. Stage processes
+that ``dvc repro`` starts (the tiny pipeline, the DVC and interrupt tests) are new interpreters,
+and tests/test_stage_runner.py checks that a forked run publishes the same bytes as a new one.
 """
 
 from __future__ import annotations
 
 import atexit
+import io
 import json
 import os
 import select
@@ -53,20 +55,35 @@ _lock = threading.Lock()
 def run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """``subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)``,
     forked from the preloaded server where that is the same thing (module docstring)."""
-    if not _forkable(argv, env):
-        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    flavour = "scientific" if _stage(argv) in USE_SCIENTIFIC_STACK else "lean"
-    with _lock:
-        server = _servers.get(flavour)
-        # The server imports in this worker's environment; a run that changes an import-time
-        # variable of it (a test's HF_HOME, say) is no fork of that server.
-        if server is None or not server.alive():
-            if _differs(dict(os.environ), env):
-                return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-            server = _servers[flavour] = _Server(flavour, dict(os.environ))
-        if _differs(server.env, env):
-            return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-        return server.run(argv, cwd, env, timeout)
+    with tempfile.TemporaryDirectory(prefix="alignpipe-run-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        with out.open("w") as stdout, err.open("w") as stderr:
+            proc = start(argv, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the stage and whatever it started
+            proc.wait()
+            raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text()) from None
+        return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
+
+
+def start(argv: list[str], *, cwd: Path, env: dict[str, str], stdout, stderr) -> Forked | subprocess.Popen:
+    """``subprocess.Popen(argv, cwd=cwd, env=env, stdout=stdout, stderr=stderr,
+    start_new_session=True)``, forked where that is the same thing: either way the run leads a
+    process group of its own (``os.killpg(proc.pid, ...)``), with ``poll`` and ``wait``.
+    ``stdout``/``stderr`` are open files (``stderr=subprocess.STDOUT`` joins them)."""
+    if _forkable(argv, env):
+        flavour = "scientific" if _stage(argv) in USE_SCIENTIFIC_STACK else "lean"
+        with _lock:
+            server = _servers.get(flavour)
+            # The server imports in this worker's environment; a run that changes an import-time
+            # variable of it (a test's HF_HOME, say) is no fork of that server.
+            if (server is None or not server.alive()) and not _differs(dict(os.environ), env):
+                server = _servers[flavour] = _Server(flavour, dict(os.environ))
+            if server is not None and server.alive() and not _differs(server.env, env):
+                return server.start(argv, cwd, env, stdout, stderr)
+    return subprocess.Popen(argv, cwd=cwd, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
 
 
 def served() -> int:
@@ -98,6 +115,7 @@ class _Server:
     def __init__(self, flavour: str, env: dict[str, str]) -> None:
         self.env = dict(env)
         self.served = 0  # runs forked so far
+        self.in_flight: Forked | None = None
         fd, log = tempfile.mkstemp(prefix="alignpipe-stage-runner-", suffix=".log")
         os.close(fd)
         self.log = Path(log)
@@ -134,23 +152,39 @@ class _Server:
             raise RuntimeError(f"the stage runner exited:\n{self.log.read_text()[-4000:]}")
         return json.loads(line)
 
-    def run(
-        self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float
-    ) -> subprocess.CompletedProcess:
-        with tempfile.TemporaryDirectory(prefix="alignpipe-run-") as tmp:
-            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
-            self.proc.stdin.flush()
-            pid = self._answer()["pid"]
-            self.served += 1
-            try:
-                code = self._answer(timeout)["returncode"]
-            except subprocess.TimeoutExpired:
-                os.killpg(pid, signal.SIGKILL)  # the stage and whatever it started
-                self._answer()
-                raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text()) from None
-            return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
+    def start(self, argv: list[str], cwd: Path, env: dict[str, str], stdout, stderr) -> Forked:
+        assert self.in_flight is None or self.in_flight.poll() is not None, "one run at a time"
+        request = {
+            "argv": argv,
+            "cwd": str(cwd),
+            "env": env,
+            "stdout": os.path.realpath(f"/proc/self/fd/{stdout.fileno()}"),
+        }
+        request["stderr"] = (
+            None if stderr == subprocess.STDOUT else os.path.realpath(f"/proc/self/fd/{stderr.fileno()}")
+        )
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        self.in_flight = Forked(self, self._answer()["pid"])
+        self.served += 1
+        return self.in_flight
+
+
+class Forked:
+    """A run forked by a server, as much of ``subprocess.Popen`` as the tests use."""
+
+    def __init__(self, server: _Server, pid: int) -> None:
+        self.server, self.pid, self.returncode = server, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self.server.proc.stdout], [], [], 0)[0]:
+            self.returncode = self.server._answer()["returncode"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.server._answer(timeout)["returncode"]
+        return self.returncode
 
 
 # --- the server side -------------------------------------------------------------------------
@@ -183,20 +217,47 @@ def _preload(flavour: str) -> None:
         from lm_eval.tasks import TaskManager  # noqa: F401
 
 
+_SERVER_STDIO: list = []  # the server's own sys.stdout/stderr, kept open (they own fds 1 and 2)
+
+
+def _reopen_stdio(unbuffered: bool) -> None:
+    """sys.stdout and sys.stderr as a new interpreter would make them on these files: block-
+    buffered stdout and line-buffered stderr, or both unbuffered under PYTHONUNBUFFERED (which
+    Python reads at start-up, so the server's own streams followed the server's environment)."""
+    for name in ("stdout", "stderr"):
+        old = getattr(sys, name)
+        old.flush()
+        _SERVER_STDIO.append(old)
+        raw = open(old.fileno(), "wb", buffering=0, closefd=False)  # noqa: SIM115
+        binary = raw if unbuffered else io.BufferedWriter(raw)
+        stream = io.TextIOWrapper(
+            binary,
+            encoding=old.encoding,
+            errors=old.errors,
+            line_buffering=name == "stderr" and not unbuffered,
+            write_through=unbuffered,
+        )
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
 def _child(request: dict) -> None:
     """In the forked child: become the requested ``alignpipe`` process, then exit with its code."""
     code = 1
     try:
         os.setpgid(0, 0)  # a group of its own, as a timeout kills it with whatever it started
         stdin = os.open(os.devnull, os.O_RDONLY)
-        stdout = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        stderr = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        stdout = os.open(request["stdout"], os.O_WRONLY | os.O_APPEND)
+        stderr = (
+            os.open(request["stderr"], os.O_WRONLY | os.O_APPEND) if request["stderr"] else os.dup(stdout)
+        )
         for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
             os.dup2(fd, target)
             os.close(fd)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        _reopen_stdio(unbuffered=bool(os.environ.get("PYTHONUNBUFFERED")))
         # As the console script runs: argv[0] and sys.path[0] are the script's path and directory.
         script = shutil.which(request["argv"][0], path=os.environ.get("PATH"))
         sys.argv = [script, *request["argv"][1:]]
