@@ -28,6 +28,7 @@ and tests/test_stage_runner.py checks that a forked run publishes the same bytes
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import json
 import os
@@ -61,10 +62,13 @@ def run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> s
             proc = start(argv, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
         try:
             code = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the stage and whatever it started
+        except BaseException as e:  # a timeout, or Ctrl-C on the suite: the run is in its own group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the stage and whatever it started
             proc.wait()
-            raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text()) from None
+            if isinstance(e, subprocess.TimeoutExpired):
+                raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text()) from None
+            raise
         return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
 
 
