@@ -19,10 +19,6 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export PYTHONHASHSEED := 0
-# glibc keeps freed memory for reuse instead of returning it and faulting it in again: a stage's
-# tensors are freed and reallocated every step (SmolLM2 rlvr: sys 27 -> 18 s). The committed
-# pipeline reproduces dvc.lock byte for byte with it (benchmarks/RESULTS.md, "stop 48", "stop 49").
-export GLIBC_TUNABLES ?= glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296
 PYTEST_ARGS ?=
 # Test workers (pytest-xdist), one per core: most of a test's time is one stage process that
 # keeps one core busy (imports, small tensors), so on 2 cores two workers took 42 min where
