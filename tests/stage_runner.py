@@ -11,8 +11,8 @@ scikit-learn and SciPy out, one with them and lm-eval for those that do not
 run's directory, environment, argv and output files and calls ``alignpipe.cli.main``: the same
 code from the command line on, in a process of its own.
 
-A run gets a fresh interpreter instead (``subprocess.run``, as before) when the fork could
-behave differently from one:
+A run gets a new interpreter instead (``subprocess.Popen``) when the fork could behave
+differently from one:
 
 - its environment differs from the server's in a variable other than ``RUNTIME_ONLY`` (the
   libraries read ``HF_*``, ``TRANSFORMERS_*``, ``OMP_*``, ``HOME`` ... once, at import);
@@ -123,15 +123,16 @@ class _Server:
         fd, log = tempfile.mkstemp(prefix="alignpipe-stage-runner-", suffix=".log")
         os.close(fd)
         self.log = Path(log)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.stage_runner", flavour],
-            cwd=Path(__file__).resolve().parents[1],
-            env=self.env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            bufsize=0,  # unbuffered answers: select() sees every line that has arrived
-            stderr=self.log.open("w"),
-        )
+        with self.log.open("w") as log_file:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.stage_runner", flavour],
+                cwd=Path(__file__).resolve().parents[1],
+                env=self.env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                bufsize=0,  # unbuffered answers: select() sees every line that has arrived
+                stderr=log_file,
+            )
         atexit.register(self.close)
         ready = self._answer(timeout=300)
         if ready.get("ready") is not True:
