@@ -653,21 +653,42 @@ def nemo_rl_runtime_python() -> Path:
 @pytest.fixture(scope="session")
 def nemo_rl_runtime(nemo_rl_src: Path):
     """``call(probe, payload) -> result``: runs ``tests/nemo_rl_probe.py <probe>`` on NeMo-RL's
-    source with ``payload`` (anything ``torch.save`` takes) and returns what the probe returned."""
+    source with ``payload`` (anything ``torch.save`` takes) and returns what the probe returned.
+    Each call is forked from one probe server per worker that has imported NeMo-RL once
+    (tests/fork_server.py); a new process instead under ``ALIGNPIPE_TEST_FRESH_PROCESSES=1`` or
+    when the environment is not the server's."""
+    import functools
     import tempfile
 
     import torch
 
+    from tests import fork_server
+
     python = nemo_rl_runtime_python()
+    servers: list[fork_server.Server] = []
+
+    def start(argv: list[str], env: dict[str, str], stdout, stderr):
+        if env.get("ALIGNPIPE_TEST_FRESH_PROCESSES") != "1":
+            if not servers or not servers[0].alive():
+                command = [str(python), "-m", "tests.nemo_rl_probe", "--serve"]
+                servers[:] = [fork_server.Server(command, env=env, cwd=REPO, name="NeMo-RL probe server")]
+            if not fork_server.differs(servers[0].env, env):
+                return servers[0].start(argv, REPO, env, stdout, stderr)
+        command = [str(python), "-m", "tests.nemo_rl_probe", *argv]
+        return subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=stdout, stderr=stderr, start_new_session=True
+        )
 
     def call(probe: str, payload, timeout: float = 600):
         with tempfile.TemporaryDirectory(prefix="nemo-rl-probe-") as tmp:
             src, out = Path(tmp) / "in.pt", Path(tmp) / "out.pt"
             torch.save(payload, src)
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(nemo_rl_src), str(REPO)])}
-            proc = subprocess.run([str(python), "-m", "tests.nemo_rl_probe", probe, str(src), str(out)],
-                                  cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+            argv = [probe, str(src), str(out)]
+            proc = fork_server.run(functools.partial(start, argv, env), argv, timeout)
             assert proc.returncode == 0, f"NeMo-RL probe '{probe}' failed:\n{proc.stderr[-6000:]}"
             return torch.load(out, weights_only=False)
 
-    return call
+    yield call
+    for server in servers:
+        server.close()

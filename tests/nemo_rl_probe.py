@@ -1,6 +1,7 @@
 """NeMo-RL v0.7.0's own code on given inputs, for the equivalence suite. Runs in a subprocess.
 
     python -m tests.nemo_rl_probe <probe> in.pt out.pt
+    python -m tests.nemo_rl_probe --serve     # the same, forked per request (tests/fork_server.py)
 
 with NeMo-RL's source first on PYTHONPATH and the interpreter from ``nemo_rl_runtime_python``
 (tests/conftest.py): ``in.pt`` is the payload the test saved, ``out.pt`` what the probe returns.
@@ -482,5 +483,38 @@ def main() -> None:
     torch.save(result, dst)
 
 
-if __name__ == "__main__":
+# What the probes import, imported once by the probe server: NeMo-RL's algorithm modules take
+# ~15 s of CPU to import (wandb, transformers, torch._dynamo), more than most probes' own work.
+PRELOAD = (
+    "ray",
+    "nemo_rl.algorithms.grpo",
+    "nemo_rl.algorithms.loss",
+    "nemo_rl.algorithms.utils",
+    "nemo_rl.data.collate_fn",
+    "nemo_rl.data.interfaces",
+    "nemo_rl.data.llm_message_utils",
+    "nemo_rl.data.utils",
+    "nemo_rl.distributed.batched_data_dict",
+    "nemo_rl.distributed.model_utils",
+    "nemo_rl.environments.reward_model_environment",
+    "nemo_rl.experience.rollouts",
+)
+
+
+def _become_probe(argv: list[str]) -> int:
+    sys.argv = [__file__, *argv]
     main()
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--serve"]:  # one process per test worker; a child per probe call
+        import importlib
+
+        from tests import fork_server
+
+        for module in PRELOAD:
+            importlib.import_module(module)
+        fork_server.serve(_become_probe)
+    else:
+        main()

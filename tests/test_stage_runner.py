@@ -8,7 +8,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from tests import stage_runner
+from tests import fork_server, stage_runner
 from tests.conftest import OFFLINE, run_cli, set_params, writable_copy
 
 SHORT_SFT = {"sft": {"sft": {"max_num_steps": 6, "val_period": 3}}}
@@ -48,9 +48,9 @@ def test_runs_the_fork_could_change_get_a_new_process() -> None:
     assert not stage_runner._forkable(["alignpipe", "plan", "sft"], env)
     assert not stage_runner._forkable(["alignpipe", "run", "sft"], {**env, stage_runner.FRESH: "1"})
     # Read by libraries at import: a run that sets one other than the server's is not forked.
-    assert stage_runner._differs(env, {**env, "HF_HOME": "/elsewhere"}) == ["HF_HOME"]
-    assert stage_runner._differs(env, {k: v for k, v in env.items() if k != "HF_HUB_OFFLINE"}) == [
+    assert fork_server.differs(env, {**env, "HF_HOME": "/elsewhere"}) == ["HF_HOME"]
+    assert fork_server.differs(env, {k: v for k, v in env.items() if k != "HF_HUB_OFFLINE"}) == [
         "HF_HUB_OFFLINE"
     ]
     # Read by the stage at run time: may differ per run.
-    assert stage_runner._differs(env, {**env, "ALIGNPIPE_SCRATCH": "/s", "PATH": "/bin"}) == []
+    assert fork_server.differs(env, {**env, "ALIGNPIPE_SCRATCH": "/s", "PATH": "/bin"}) == []

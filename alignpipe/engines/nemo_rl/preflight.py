@@ -117,12 +117,12 @@ def check(ctx, cfg: dict[str, Any] | None = None, *, python: str | None = None) 
             cfg = render(ctx.name, ctx.config, root=ctx.root, scratch=paths.scratch, consumes_paths=consumes)
         paths.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
         script = entry_script(ctx.name, cfg)
-        config = _run_checker(
-            python, ["config", "--src", str(src), "--entry", script, "--config", str(paths.config)]
+        checked = _run_checker(
+            python,
+            ["stage", "--src", str(src), "--entry", script, "--config", str(paths.config), "--"]
+            + entry_argv(ctx.name, cfg, paths.config),
         )
-        launch = _run_checker(
-            python, ["argv", "--src", str(src), "--", *entry_argv(ctx.name, cfg, paths.config)]
-        )
+    config, launch = checked["config"], checked["argv"]
     report.schema = config.get("schema", "")
     for err in config.get("errors", []):
         report.errors.append(

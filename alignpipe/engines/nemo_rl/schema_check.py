@@ -9,6 +9,10 @@ schema is the whole validation and needs none of them.
 
     python schema_check.py config --src SRC --entry examples/run_grpo.py --config C.yaml [overrides]
     python schema_check.py argv --src SRC -- python examples/run_dpo.py --config C.yaml [overrides]
+    python schema_check.py stage --src SRC --entry examples/run_dpo.py --config C.yaml -- python ...
+
+``stage`` is both in one process, as the pre-flight runs them: ``{"config": ..., "argv": ...}``
+(NeMo-RL's config stack takes about a second to import).
 
 Prints one JSON object: ``{"ok": bool, "errors": [...], "unknown": [...], ...}``.
 """
@@ -98,6 +102,10 @@ class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _prepare(src: Path) -> None:
+    if getattr(_prepare, "done", False):
+        os.chdir(src)
+        return
+    _prepare.done = True
     import typing_extensions
 
     # pydantic refuses typing.TypedDict on Python < 3.12; typing_extensions' has the same meaning.
@@ -316,12 +324,20 @@ def main() -> None:
     cmd = sub.add_parser("argv")
     cmd.add_argument("--src", required=True, type=Path)
     cmd.add_argument("argv", nargs=argparse.REMAINDER)
+    stage = sub.add_parser("stage")
+    stage.add_argument("--src", required=True, type=Path)
+    stage.add_argument("--entry", required=True)
+    stage.add_argument("--config", required=True, type=Path)
+    stage.add_argument("argv", nargs=argparse.REMAINDER)
     args = parser.parse_args()
+    argv = args.argv[1:] if getattr(args, "argv", [])[:1] == ["--"] else getattr(args, "argv", [])
     if args.what == "config":
         result = check_config(args.src.resolve(), args.entry, args.config.resolve(), args.overrides)
-    else:
-        argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    elif args.what == "argv":
         result = check_argv(args.src.resolve(), argv)
+    else:  # the config first: the launch check runs the entry script's module code
+        config = check_config(args.src.resolve(), args.entry, args.config.resolve(), [])
+        result = {"config": config, "argv": check_argv(args.src.resolve(), argv)}
     print(json.dumps(result))
 
 
