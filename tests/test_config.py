@@ -74,6 +74,26 @@ def test_params_yaml_is_composed_from_conf():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_the_small_evidence_preset_is_the_measured_run():
+    """`-S evidence=small` composes exactly the overrides of benchmarks/small_profile.md's
+    evidence run: 256 held-out prompts for prep and every stage that samples them, and rlvr's
+    longer run; every stage reads them."""
+    from alignpipe.context import build_context
+
+    held = [f"{s}.alignpipe.heldout.limit=256" for s in ("sft", "dpo", "rm", "rlvr", "rlhf", "evaluate")]
+    measured = ["prep.builtin.counts.rlvr.test=256", *held, "rlvr.grpo.max_num_steps=30",
+                "rlvr.grpo.val_period=10", "rlvr.grpo.val_at_start=false", "rlvr.checkpointing.save_period=10",
+                "rlvr.policy.optimizer.kwargs.lr=2e-5"]  # fmt: skip
+    measured = [f"++{override}" for override in measured]  # `++`: set the key, in the profile's knobs or not
+    preset = C.compose_params_text(REPO.resolve(), ["profile=small", "evidence=small"])
+    assert yaml.safe_load(preset) == yaml.safe_load(
+        C.compose_params_text(REPO.resolve(), ["profile=small", *measured])
+    )
+    for stage in ("prep", "sft", "dpo", "rm", "rlvr", "rlhf", "evaluate"):
+        ctx = build_context(REPO, stage, "small", params=yaml.safe_load(preset))
+        assert ctx.settings.heldout.limit == 256 or stage == "prep"
+
+
 def _dvc_stages() -> dict:
     return yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
 
