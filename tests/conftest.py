@@ -668,7 +668,7 @@ def nemo_rl_runtime(nemo_rl_src: Path):
     servers: list[fork_server.Server] = []
 
     def start(argv: list[str], env: dict[str, str], stdout, stderr):
-        if env.get("ALIGNPIPE_TEST_FRESH_PROCESSES") != "1":
+        if env.get(fork_server.FRESH) != "1":
             if not servers or not servers[0].alive():
                 command = [str(python), "-m", "tests.nemo_rl_probe", "--serve"]
                 servers[:] = [fork_server.Server(command, env=env, cwd=REPO, name="NeMo-RL probe server")]

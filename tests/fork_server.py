@@ -29,6 +29,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+# Set to 1: every run gets a new interpreter, no fork (how to rule the servers out).
+FRESH = "ALIGNPIPE_TEST_FRESH_PROCESSES"
 # Read by the tests' own code at run time, never by a library at import: may differ per run.
 RUNTIME_ONLY = frozenset({"PATH", "PWD", "OLDPWD", "PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED"})
 RUNTIME_ONLY_PREFIXES = ("ALIGNPIPE_",)

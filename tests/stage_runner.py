@@ -37,8 +37,7 @@ import threading
 from pathlib import Path
 
 from tests import fork_server
-
-FRESH = "ALIGNPIPE_TEST_FRESH_PROCESSES"
+from tests.fork_server import FRESH
 
 _servers: dict[str, fork_server.Server] = {}  # by flavour: "lean", "scientific"
 _lock = threading.Lock()
