@@ -238,13 +238,42 @@ def _merge(base: DictConfig, child: DictConfig) -> DictConfig:
     return merged
 
 
-def load_with_defaults(path: Path, _seen: tuple[Path, ...] = ()) -> DictConfig:
+# A profile with its parents, parsed and merged, by the resolved path: the YAML and OmegaConf
+# work is ~30 ms, and a process that builds many stage contexts (`alignpipe params --check`,
+# the docs and settings tests: hundreds) read the same few files again and again. An entry holds
+# every file's stat, so an edited profile or parent is read afresh.
+_PROFILES: dict[Path, tuple[tuple[tuple[Path, Any], ...], dict[str, Any]]] = {}
+
+
+def _stat(path: Path) -> Any:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def load_with_defaults(path: Path) -> DictConfig:
     """NeMo-RL's ``load_config_with_inheritance``: depth-first ``defaults:``, child wins."""
     path = path.resolve()
-    if path in _seen:
-        raise ConfigError(f"{path}: 'defaults:' cycle through {' -> '.join(map(str, _seen))}")
+    hit = _PROFILES.get(path)
+    if hit is None or any(_stat(f) != stamp for f, stamp in hit[0]):
+        files: list[Path] = []
+        cfg = _load_chain(path, (), files)
+        hit = _PROFILES[path] = (
+            tuple((f, _stat(f)) for f in files),
+            OmegaConf.to_container(cfg, resolve=False),  # type: ignore[assignment]
+        )
+    return OmegaConf.create(hit[1])  # new nodes: a caller may change its copy
+
+
+def _load_chain(path: Path, seen: tuple[Path, ...], files: list[Path]) -> DictConfig:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: 'defaults:' cycle through {' -> '.join(map(str, seen))}")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
+    files.append(path)
     try:
         cfg = OmegaConf.load(path)
     except Exception as e:  # OmegaConf wraps yaml errors in several types
@@ -257,7 +286,7 @@ def load_with_defaults(path: Path, _seen: tuple[Path, ...] = ()) -> DictConfig:
     parents = [defaults] if isinstance(defaults, str) else list(defaults)
     base = OmegaConf.create({})
     for parent in parents:
-        base = _merge(base, load_with_defaults(path.parent / str(parent), (*_seen, path)))
+        base = _merge(base, _load_chain(path.parent / str(parent), (*seen, path), files))
     return _merge(base, cfg)
 
 

@@ -35,6 +35,19 @@ def test_defaults_inheritance_merges_depth_first_and_override_replaces(tmp_path)
     assert resolved["ref"] == 2  # interpolation resolves after merging
 
 
+def test_a_profile_is_read_again_after_an_edit_and_each_caller_gets_its_own_copy(tmp_path):
+    write(tmp_path / "parent.yaml", "a: {x: 1}\n")
+    child = write(tmp_path / "child.yaml", "defaults: parent.yaml\nb: 2\n")
+    first = C.load_with_defaults(child)
+    first.a.x = 99  # a caller writing knobs onto its config
+    assert C.load_with_defaults(child).a.x == 1
+    write(tmp_path / "parent.yaml", "a: {x: 1, y: 5}\n")  # an edit to a parent, not the file asked for
+    assert C.load_with_defaults(child).a == {"x": 1, "y": 5}
+    write(tmp_path / "child.yaml", "defaults: parent.yaml\nb: {bad\n")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        C.load_with_defaults(child)
+
+
 def test_defaults_cycle_is_reported(tmp_path):
     write(tmp_path / "a.yaml", "defaults: b.yaml\nx: 1\n")
     write(tmp_path / "b.yaml", "defaults: a.yaml\ny: 1\n")
