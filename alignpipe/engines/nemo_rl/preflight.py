@@ -82,6 +82,11 @@ def nemo_rl_source(ctx) -> Path | None:
 
 def _run_checker(python: str, args: list[str]) -> dict[str, Any]:
     proc = subprocess.run([python, str(CHECKER), *args], capture_output=True, text=True, timeout=TIMEOUT_S)
+    return checker_result(python, proc)
+
+
+def checker_result(python: str, proc: subprocess.CompletedProcess) -> dict[str, Any]:
+    """What schema_check.py printed last (a JSON line), or the error that says why it could not run."""
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
