@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from alignpipe.measure.benchmarks import where
 from alignpipe.rewards.verifiers import score_completion
 from tests.conftest import REPO, run_cli, set_params, writable_copy
 
@@ -152,14 +153,32 @@ def bench_copy(trained_sft: Path, tmp_path: Path, monkeypatch) -> Path:
     return writable_copy(trained_sft, tmp_path / "repo")
 
 
-def test_an_unknown_task_is_named_with_close_names(bench_copy: Path) -> None:
-    set_params(bench_copy, tasks_param({"name": "heldout_exakt"}))
-    refused(bench_copy, "unknown task 'heldout_exakt'", "did you mean heldout_exact")
+@pytest.fixture(scope="module")
+def two_names_lm_eval_must_look_up(trained_sft: Path, tmp_path_factory) -> tuple[Path, str]:
+    """One run refusing an unknown task and a builtin one with downloads off: both named in one
+    error, from one build of lm-eval's task index (~15 s of CPU)."""
+    tmp = tmp_path_factory.mktemp("lookup")
+    root = writable_copy(trained_sft, tmp / "repo")
+    set_params(root, tasks_param({"name": "heldout_exakt"}, {"name": "gsm8k", "limit": 8}))
+    result = run_cli(root, "run", "benchmark", "--source", "sft", env={"ALIGNPIPE_SCRATCH": str(tmp / "s")},
+                     check=False)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert not (root / "results" / "benchmark" / "sft").exists()
+    return root, result.stderr
 
 
-def test_a_builtin_task_with_downloads_off_names_the_knob(bench_copy: Path) -> None:
-    set_params(bench_copy, tasks_param({"name": "gsm8k", "limit": 8}))
-    refused(bench_copy, "'gsm8k' is an lm-eval builtin task", "benchmark.alignpipe.benchmark.download=true")
+def test_an_unknown_task_is_named_with_close_names(two_names_lm_eval_must_look_up) -> None:
+    _, stderr = two_names_lm_eval_must_look_up
+    assert (
+        f"{where('tasks[0]')}: unknown task 'heldout_exakt'" in stderr
+        and "did you mean heldout_exact" in stderr
+    ), stderr
+
+
+def test_a_builtin_task_with_downloads_off_names_the_knob(two_names_lm_eval_must_look_up) -> None:
+    _, stderr = two_names_lm_eval_must_look_up
+    assert f"{where('tasks[1]')}: 'gsm8k' is an lm-eval builtin task" in stderr, stderr
+    assert "benchmark.alignpipe.benchmark.download=true" in stderr, stderr
 
 
 def test_a_task_file_that_does_not_exist_is_named(bench_copy: Path) -> None:

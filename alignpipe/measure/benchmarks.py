@@ -79,69 +79,77 @@ def check_data_files(root: Path, path: Path, doc: dict[str, Any]) -> None:
 def benchmark_tasks(root: Path, settings: Benchmark, *, data: bool = True) -> list[BenchmarkTask]:
     """The configured tasks, each checked: a known name, a readable YAML, existing data files
     (unless ``data`` is false: planning needs no prepared data), and for builtin tasks,
-    downloads allowed."""
+    downloads allowed. Every bad entry is named in one error, not the first alone: lm-eval's
+    task index, which a builtin or unknown name needs, takes ~15 s to build."""
     entries = settings.tasks
     if not entries:
         raise ConfigError(f"{where('tasks')} must be a non-empty list of tasks ({{name: ..., limit: ...}})")
-    out = []
-    builtin_names: list[str] | None = None
+    out, errors = [], []
+    builtin: list[list[str]] = []  # lm-eval's task names, read once when first needed
     for i, entry in enumerate(entries):
-        if isinstance(entry, str):
-            entry = {"name": entry}
-        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-            raise ConfigError(f"{where(f'tasks[{i}]')}: expected a mapping with a task name, got {entry!r}")
-        unknown = sorted(set(entry) - ENTRY_KEYS)
-        if unknown:
-            raise ConfigError(f"{where(f'tasks[{i}]')}: unknown keys {unknown}; known: {sorted(ENTRY_KEYS)}")
-        name = entry["name"]
-        path = Path(entry["file"]) if entry.get("file") else TASKS_DIR / f"{name}.yaml"
-        if entry.get("file") and not (root / path).is_file():
-            raise ConfigError(
-                f"{where(f'tasks[{i}].file')}: task YAML {path} does not exist in the repository"
-            )
-        if (root / path).is_file():
-            doc = load_task_yaml(root / path)
-            if doc.get("task") != name:
-                raise ConfigError(
-                    f"{root / path}: its task is {doc.get('task')!r}, but {where(f'tasks[{i}]')} names {name!r}"
-                )
-            if data:
-                check_data_files(root, root / path, doc)
-            yaml_path: Path | None = root / path
-        else:
-            if builtin_names is None:
-                from lm_eval.tasks import TaskManager
-
-                builtin_names = TaskManager().all_tasks
-            if name not in builtin_names:
-                import difflib
-
-                close = difflib.get_close_matches(name, [*builtin_names, *local_task_names(root)], n=3)
-                hint = f"; did you mean {', '.join(close)}?" if close else ""
-                raise ConfigError(
-                    f"{where(f'tasks[{i}]')}: unknown task {name!r}: no {TASKS_DIR / (name + '.yaml')} and no "
-                    f"lm-eval builtin task of that name{hint}"
-                )
-            if not settings.download:
-                raise ConfigError(
-                    f"{where(f'tasks[{i}]')}: {name!r} is an lm-eval builtin task, whose data come from the "
-                    f"Hugging Face Hub, and downloads are off: set benchmark.alignpipe.benchmark.download=true "
-                    f"(dvc exp run -S benchmark.alignpipe.benchmark.download=true), or use a task YAML "
-                    f"over local files in {TASKS_DIR}"
-                )
-            yaml_path = None
-        out.append(
-            BenchmarkTask(
-                name=name,
-                yaml=yaml_path,
-                limit=entry.get("limit"),
-                num_fewshot=entry.get("num_fewshot"),
-                apply_chat_template=bool(entry.get("apply_chat_template", True)),
-                fewshot_as_multiturn=bool(entry.get("fewshot_as_multiturn", False)),
-                gen_kwargs=dict(entry.get("gen_kwargs") or {}),
-            )
-        )
+        try:
+            out.append(_task(root, settings, i, entry, data, builtin))
+        except ConfigError as e:
+            errors.append(str(e))
+    if errors:
+        raise ConfigError("\n".join(errors))
     return out
+
+
+def _task(
+    root: Path, settings: Benchmark, i: int, entry: Any, data: bool, builtin: list[list[str]]
+) -> BenchmarkTask:
+    if isinstance(entry, str):
+        entry = {"name": entry}
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+        raise ConfigError(f"{where(f'tasks[{i}]')}: expected a mapping with a task name, got {entry!r}")
+    unknown = sorted(set(entry) - ENTRY_KEYS)
+    if unknown:
+        raise ConfigError(f"{where(f'tasks[{i}]')}: unknown keys {unknown}; known: {sorted(ENTRY_KEYS)}")
+    name = entry["name"]
+    path = Path(entry["file"]) if entry.get("file") else TASKS_DIR / f"{name}.yaml"
+    if entry.get("file") and not (root / path).is_file():
+        raise ConfigError(f"{where(f'tasks[{i}].file')}: task YAML {path} does not exist in the repository")
+    if (root / path).is_file():
+        doc = load_task_yaml(root / path)
+        if doc.get("task") != name:
+            raise ConfigError(
+                f"{root / path}: its task is {doc.get('task')!r}, but {where(f'tasks[{i}]')} names {name!r}"
+            )
+        if data:
+            check_data_files(root, root / path, doc)
+        yaml_path: Path | None = root / path
+    else:
+        if not builtin:
+            from lm_eval.tasks import TaskManager
+
+            builtin.append(TaskManager().all_tasks)
+        if name not in builtin[0]:
+            import difflib
+
+            close = difflib.get_close_matches(name, [*builtin[0], *local_task_names(root)], n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(
+                f"{where(f'tasks[{i}]')}: unknown task {name!r}: no {TASKS_DIR / (name + '.yaml')} and no "
+                f"lm-eval builtin task of that name{hint}"
+            )
+        if not settings.download:
+            raise ConfigError(
+                f"{where(f'tasks[{i}]')}: {name!r} is an lm-eval builtin task, whose data come from the "
+                f"Hugging Face Hub, and downloads are off: set benchmark.alignpipe.benchmark.download=true "
+                f"(dvc exp run -S benchmark.alignpipe.benchmark.download=true), or use a task YAML "
+                f"over local files in {TASKS_DIR}"
+            )
+        yaml_path = None
+    return BenchmarkTask(
+        name=name,
+        yaml=yaml_path,
+        limit=entry.get("limit"),
+        num_fewshot=entry.get("num_fewshot"),
+        apply_chat_template=bool(entry.get("apply_chat_template", True)),
+        fewshot_as_multiturn=bool(entry.get("fewshot_as_multiturn", False)),
+        gen_kwargs=dict(entry.get("gen_kwargs") or {}),
+    )
 
 
 def local_task_names(root: Path) -> list[str]:
