@@ -241,16 +241,16 @@ def _merge(base: DictConfig, child: DictConfig) -> DictConfig:
 # A profile with its parents, parsed and merged, by the resolved path: the YAML and OmegaConf
 # work is ~30 ms, and a process that builds many stage contexts (`alignpipe params --check`,
 # the docs and settings tests: hundreds) read the same few files again and again. An entry holds
-# every file's stat, so an edited profile or parent is read afresh.
+# the digest of every file's bytes (a stat's mtime can miss an edit within the same clock tick),
+# so an edited profile or parent is read afresh.
 _PROFILES: dict[Path, tuple[tuple[tuple[Path, Any], ...], dict[str, Any]]] = {}
 
 
 def _stat(path: Path) -> Any:
     try:
-        st = path.stat()
+        return hashlib.sha1(path.read_bytes()).digest()
     except OSError:
         return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def load_with_defaults(path: Path) -> DictConfig:
