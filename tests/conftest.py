@@ -631,6 +631,7 @@ def schema_checker(nemo_rl_src: Path, schema_python: Path):
         return preflight.checker_result(python, fork_server.run(start, args, preflight.TIMEOUT_S))
 
     fresh = preflight._run_checker
+    run_checker.served = lambda: sum(server.served for server in servers)  # checks forked so far
     yield run_checker
     for server in servers:
         server.close()

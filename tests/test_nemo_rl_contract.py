@@ -166,7 +166,7 @@ def test_upstreams_own_example_configs_pass_with_no_algorithm_key_flagged(
     assert result["ok"], result
 
 
-def test_a_forked_check_says_what_a_new_checker_process_says(nemo_rl_src, schema_python):
+def test_a_forked_check_says_what_a_new_checker_process_says(nemo_rl_src, schema_python, schema_checker):
     """The schema server (tests/schema_server.py) changes nothing but the imports' cost: an
     accepted config with its warning and a rejected one give the same answer as a new process."""
     config = [
@@ -180,7 +180,9 @@ def test_a_forked_check_says_what_a_new_checker_process_says(nemo_rl_src, schema
         new = subprocess.run([str(schema_python), str(preflight.CHECKER), *args], capture_output=True, text=True,
                              timeout=preflight.TIMEOUT_S)  # fmt: skip
         assert new.returncode == 0, new.stderr
+        served = schema_checker.served()
         assert _checker(schema_python, *args) == json.loads(new.stdout)
+        assert schema_checker.served() == served + 1  # the server forked it, no fallback
     assert not json.loads(new.stdout)["ok"]  # the second: a wrong type and a misspelt key
 
 
