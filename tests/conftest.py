@@ -337,6 +337,9 @@ def prepared_repo(tmp_path_factory) -> Path:
         root = copy_repo(tmp / "repo", git=True)
         set_params(root, merged(SINGLE_TURN, ONE_THREAD))
         env = {**os.environ, **OFFLINE, **GIT_ENV, "ALIGNPIPE_SCRATCH": str(tmp / "scratch")}
+        from tests import stage_runner
+
+        env = stage_runner.dvc_env(env)  # its stage processes forked (tests/stage_shim.py)
         repro = subprocess.run(["dvc", "repro", "base"], cwd=root, env=env, capture_output=True, text=True)
         if repro.returncode != 0:
             raise AssertionError(f"dvc repro base failed:\n{repro.stdout[-4000:]}\n{repro.stderr[-4000:]}")
@@ -380,6 +383,9 @@ def build_tiny_pipeline(tmp_path_factory) -> Reproduced:
             "ALIGNPIPE_SCRATCH": str(tmp / "scratch"),
             "PYTHONHASHSEED": "0",
         }
+        from tests import stage_runner
+
+        env = stage_runner.dvc_env(env)  # its stage processes forked (tests/stage_shim.py)
         proc = subprocess.Popen(["dvc", "repro"], cwd=root, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip
         _PIPELINE_REPRO.append(proc)

@@ -9,6 +9,12 @@ its own (as ``start_new_session`` gives a new process), calls the ``become`` fun
 server was started with and exits with its code. The answers come back on the server's stdout:
 ``{"pid": ...}`` when the child is forked, ``{"returncode": ...}`` when it exits.
 
+A server started with ``serve(listen=PATH)`` also takes runs from clients of a Unix socket there
+(tests/stage_shim.py: the stage processes a ``dvc`` command starts), any number at once: each
+client sends the request with its own stdin, stdout and stderr attached, and gets the same
+answers back on its connection, or ``{"fresh": [...]}`` when its environment ``differs`` from
+the server's (it then starts a new process itself).
+
 Standard library only: the server side also runs in NeMo-RL's runtime interpreter.
 """
 
@@ -21,6 +27,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,9 +38,13 @@ from pathlib import Path
 
 # Set to 1: every run gets a new interpreter, no fork (how to rule the servers out).
 FRESH = "ALIGNPIPE_TEST_FRESH_PROCESSES"
-# Read by the tests' own code at run time, never by a library at import: may differ per run.
-RUNTIME_ONLY = frozenset({"PATH", "PWD", "OLDPWD", "PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED"})
-RUNTIME_ONLY_PREFIXES = ("ALIGNPIPE_",)
+# Read at run time, never by a library at import: may differ per run. The tests' own, and
+# what a shell (`_`, SHLVL), DVC (DVC_ROOT, DVC_STAGE, DVC_EXP_*: read by DVCLive's Live())
+# and git's identity (GIT_*) add to a stage's environment.
+RUNTIME_ONLY = frozenset({"PATH", "PWD", "OLDPWD", "PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED", "_", "SHLVL"})
+RUNTIME_ONLY_PREFIXES = ("ALIGNPIPE_", "DVC_", "GIT_")
+# What the server's log (its stderr) says of each run a socket client asked for.
+CLIENT_FORKED, CLIENT_REFUSED = "client run forked:", "client run refused:"
 
 
 def differs(server_env: dict[str, str], env: dict[str, str]) -> list[str]:
@@ -74,7 +85,8 @@ class Server:
 
     def __init__(self, command: list[str], *, env: dict[str, str], cwd: Path, name: str) -> None:
         self.env, self.name = dict(env), name
-        self.served = 0  # runs forked so far
+        self.listen: Path | None = None  # the Unix socket, where the command makes it listen on one
+        self.served = 0  # runs forked so far for this client (socket clients' runs: the log)
         self.in_flight: Forked | None = None
         fd, log = tempfile.mkstemp(prefix=f"alignpipe-{name}-", suffix=".log")
         os.close(fd)
@@ -157,8 +169,8 @@ _SERVER_STDIO: list = []  # the server's own sys.stdout/stderr, kept open (they 
 
 
 def _reopen_stdio(unbuffered: bool) -> None:
-    """sys.stdout and sys.stderr as a new interpreter would make them on these files: block-
-    buffered stdout and line-buffered stderr, or both unbuffered under PYTHONUNBUFFERED (which
+    """sys.stdout and sys.stderr as a new interpreter would make them on these files: stdout
+    block-buffered (line-buffered on a terminal), stderr line-buffered, or both unbuffered under PYTHONUNBUFFERED (which
     Python reads at start-up, so the server's own streams followed the server's environment)."""
     for name in ("stdout", "stderr"):
         old = getattr(sys, name)
@@ -170,26 +182,23 @@ def _reopen_stdio(unbuffered: bool) -> None:
             binary,
             encoding=old.encoding,
             errors=old.errors,
-            line_buffering=name == "stderr" and not unbuffered,
+            line_buffering=(name == "stderr" or raw.isatty()) and not unbuffered,
             write_through=unbuffered,
         )
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
 
 
-def _child(request: dict, become: Callable[[list[str]], int | None]) -> None:
-    """In the forked child: take the request's files, directory and environment, run ``become``
-    on its argv, then exit with its code as the interpreter would."""
+def _child(request: dict, become: Callable[[list[str]], int | None], stdio: tuple[int, int, int]) -> None:
+    """In the forked child: take the request's files (``stdio``: stdin, stdout, stderr),
+    directory and environment, run ``become`` on its argv, then exit with its code as the
+    interpreter would."""
     code = 1
     try:
         os.setpgid(0, 0)  # a group of its own, as a timeout kills it with whatever it started
-        stdin = os.open(os.devnull, os.O_RDONLY)
-        stdout = os.open(request["stdout"], os.O_WRONLY | os.O_APPEND)
-        stderr = (
-            os.open(request["stderr"], os.O_WRONLY | os.O_APPEND) if request["stderr"] else os.dup(stdout)
-        )
-        for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
+        for fd, target in zip(stdio, (0, 1, 2), strict=True):
             os.dup2(fd, target)
+        for fd in set(stdio) - {0, 1, 2}:
             os.close(fd)
         os.chdir(request["cwd"])
         os.environ.clear()
@@ -212,23 +221,129 @@ def _child(request: dict, become: Callable[[list[str]], int | None]) -> None:
             os._exit(code)
 
 
-def serve(become: Callable[[list[str]], int | None]) -> None:
-    """The server's loop, once its imports are done: fork a child per request on stdin."""
-    answers = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # nothing the server imported may write into the answers
-    answers.write(json.dumps({"ready": True}) + "\n")
-    answers.flush()
-    for line in sys.stdin:
-        request = json.loads(line)
+def _opened(request: dict) -> tuple[int, int, int]:
+    """The files a stdin request names: stdin from /dev/null, stdout and stderr appended to."""
+    stdout = os.open(request["stdout"], os.O_WRONLY | os.O_APPEND)
+    stderr = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND) if request["stderr"] else stdout
+    return os.open(os.devnull, os.O_RDONLY), stdout, stderr
+
+
+class _Loop:
+    """The server's state: the stdin channel (one run at a time, answered on ``answers``), the
+    socket's clients (each its own run) and the children, watched through pidfds."""
+
+    def __init__(
+        self, become: Callable[[list[str]], int | None], env: dict[str, str] | None, listen: str | None
+    ):
+        self.become, self.env = become, env
+        self.answers = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)  # nothing the server imported may write into the answers
+        self.listener = None
+        if listen:
+            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self.listener.bind(listen)
+            self.listener.listen(16)
+        self.stdin_open, self.pending = True, b""
+        self.clients: dict[socket.socket, int | None] = {}  # a connection -> the pid it started
+        self.children: dict[int, tuple[int, socket.socket | None]] = {}  # pidfd -> (pid, client)
+
+    def fork(self, request: dict, stdio: tuple[int, int, int], client: socket.socket | None) -> int:
         assert threading.active_count() == 1, "forking with threads running"
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            answers.close()
-            _child(request, become)
-        answers.write(json.dumps({"pid": pid}) + "\n")
-        answers.flush()
+            self.answers.close()
+            for sock in [self.listener, *self.clients]:
+                if sock is not None:
+                    sock.close()
+            for pidfd in self.children:
+                os.close(pidfd)
+            _child(request, self.become, stdio)
+        for fd in set(stdio):
+            os.close(fd)
+        self.children[os.pidfd_open(pid)] = (pid, client)
+        return pid
+
+    def from_stdin(self) -> None:
+        data = os.read(0, 1 << 16)
+        if not data:  # the client closed the server: stop what is still running
+            self.stdin_open = False
+            for pid, _ in self.children.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGTERM)
+            return
+        self.pending += data
+        while b"\n" in self.pending:
+            line, self.pending = self.pending.split(b"\n", 1)
+            request = json.loads(line)
+            self.answer({"pid": self.fork(request, _opened(request), None)})
+
+    def from_client(self, client: socket.socket) -> None:
+        data, fds, _, _ = socket.recv_fds(client, 1 << 20, 3)
+        if not data:  # the client died (the `alignpipe` dvc ran): its run gets what a parent's
+            pid = self.clients.pop(client)  # death gives one (alignpipe.launch.interrupt)
+            client.close()
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGTERM)
+            return
+        message = json.loads(data)
+        if "signal" in message:  # forwarded by the client, to the run and what it started
+            if (pid := self.clients[client]) is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, message["signal"])
+            return
+        why = differs(self.env, message["env"]) if self.env is not None else []
+        if why:
+            for fd in fds:
+                os.close(fd)
+            print(f"{CLIENT_REFUSED} {' '.join(message['argv'])}: {', '.join(why)} differ", file=sys.stderr)
+            client.send(json.dumps({"fresh": why}).encode())
+            return
+        self.clients[client] = self.fork(message, tuple(fds), client)
+        print(f"{CLIENT_FORKED} {' '.join(message['argv'])} (pid {self.clients[client]})", file=sys.stderr)
+        client.send(json.dumps({"pid": self.clients[client]}).encode())
+
+    def reap(self, pidfd: int) -> None:
+        pid, client = self.children.pop(pidfd)
+        os.close(pidfd)
         _, status = os.waitpid(pid, 0)
-        answers.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
-        answers.flush()
+        answer = {"returncode": os.waitstatus_to_exitcode(status)}
+        if client is None:
+            self.answer(answer)
+        elif client in self.clients:
+            self.clients[client] = None  # nothing left to signal
+            with contextlib.suppress(OSError):
+                client.send(json.dumps(answer).encode())
+
+    def answer(self, answer: dict) -> None:
+        self.answers.write(json.dumps(answer) + "\n")
+        self.answers.flush()
+
+    def run(self) -> None:
+        self.answer({"ready": True})
+        while self.stdin_open or self.children:
+            watched = [*([0] if self.stdin_open else []), *self.children, *self.clients]
+            watched += [self.listener] if self.listener is not None and self.stdin_open else []
+            for ready in select.select(watched, [], [])[0]:
+                if ready == 0:
+                    self.from_stdin()
+                elif ready is self.listener:
+                    self.clients[self.listener.accept()[0]] = None
+                elif isinstance(ready, socket.socket):
+                    if ready in self.clients:
+                        self.from_client(ready)
+                elif ready in self.children:
+                    self.reap(ready)
+
+
+def serve(
+    become: Callable[[list[str]], int | None], *, listen: str | None = None, env: dict[str, str] | None = None
+) -> None:
+    """The server's loop, once its imports are done: fork a child per request on stdin (one at
+    a time) and, with ``listen``, per request of a client of the Unix socket there (any number at
+    once; tests/stage_shim.py). A client's run whose environment ``differs`` from ``env`` (the
+    server's own before its imports) is refused: the client starts a new process instead. The
+    server ends when its stdin closes, after the runs still going have stopped."""
+    _Loop(become, env, listen).run()

@@ -21,25 +21,37 @@ differently from one:
 - ``ALIGNPIPE_TEST_FRESH_PROCESSES=1`` is set (every run fresh: how to rule the runner out).
 
 ``start`` is the same for a run the test watches and kills (tests/test_resume.py): a forked
-run leads a process group of its own, as ``start_new_session`` gives a new one. Stage processes
-that ``dvc repro`` starts (the tiny pipeline, the DVC and interrupt tests) are new interpreters,
-and tests/test_stage_runner.py checks that a forked run publishes the same bytes as a new one.
+run leads a process group of its own, as ``start_new_session`` gives a new one.
+
+The stage processes a ``dvc`` command starts are forked from the same servers when the test
+runs it with ``dvc_env(env)``: the servers also listen on a Unix socket, and an ``alignpipe``
+script first on dvc's PATH (tests/stage_shim.py) hands each ``alignpipe run`` to them with
+dvc's own stdin, stdout and stderr. The tiny pipeline, the DVC experiments and the starting-model
+tests run that way; the interrupt tests (what the kernel does to a stage process when dvc dies)
+keep new interpreters. tests/test_stage_runner.py checks that a forked run publishes the same
+bytes as a new one, from a test and from dvc, and that a forked run stops with its dvc.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
-from tests import fork_server
+from tests import fork_server, stage_shim
 from tests.fork_server import FRESH
 
-_servers: dict[str, fork_server.Server] = {}  # by flavour: "lean", "scientific"
+REPO = Path(__file__).resolve().parents[1]
+FLAVOURS = ("lean", "scientific")
+_servers: dict[str, fork_server.Server] = {}  # by flavour
+_shim: list[Path] = []  # the folder of this worker's stage_shim script, once written
 _lock = threading.Lock()
 
 
@@ -57,28 +69,79 @@ def start(
     process group of its own (``os.killpg(proc.pid, ...)``), with ``poll`` and ``wait``.
     ``stdout``/``stderr`` are open files (``stderr=subprocess.STDOUT`` joins them)."""
     if _forkable(argv, env):
-        from alignpipe.engines.local.stages import USE_SCIENTIFIC_STACK
-
-        flavour = "scientific" if _stage(argv) in USE_SCIENTIFIC_STACK else "lean"
+        flavour = "scientific" if _stage(argv) in _scientific_stages() else "lean"
         with _lock:
-            server = _servers.get(flavour)
             # The server imports in this worker's environment; a run that changes an import-time
             # variable of it (a test's HF_HOME, say) is no fork of that server.
-            if (server is None or not server.alive()) and not fork_server.differs(dict(os.environ), env):
-                server = _servers[flavour] = fork_server.Server(
-                    [sys.executable, "-m", "tests.stage_runner", flavour],
-                    env=dict(os.environ),
-                    cwd=Path(__file__).resolve().parents[1],
-                    name="stage runner",
-                )
+            server = (
+                _server(flavour) if not fork_server.differs(dict(os.environ), env) else _servers.get(flavour)
+            )
             if server is not None and server.alive() and not fork_server.differs(server.env, env):
                 return server.start(argv, cwd, env, stdout, stderr)
     return subprocess.Popen(argv, cwd=cwd, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
 
 
+def dvc_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a ``dvc`` command whose stage processes (``alignpipe run``) should be forked
+    from this worker's servers: tests/stage_shim.py's ``alignpipe`` first on PATH, and where the
+    servers listen. Unchanged under ``ALIGNPIPE_TEST_FRESH_PROCESSES=1``; a run whose
+    environment the servers refuse gets a new process there too."""
+    if env.get(FRESH) == "1":
+        return env
+    with _lock:
+        sockets = ",".join(f"{flavour}={_server(flavour).listen}" for flavour in FLAVOURS)
+    return {
+        **env,
+        "PATH": os.pathsep.join([str(_shim_dir()), env.get("PATH", "")]),
+        stage_shim.SOCKETS: sockets,
+        stage_shim.SCIENTIFIC: ",".join(sorted(_scientific_stages())),
+    }
+
+
 def served() -> int:
-    """How many runs this worker has forked so far."""
-    return sum(server.served for server in _servers.values())
+    """How many runs this worker has forked so far (from its tests and its dvc commands)."""
+    return sum(server.served for server in _servers.values()) + len(forked_for_dvc())
+
+
+def forked_for_dvc() -> list[tuple[str, int]]:
+    """The runs this worker's servers forked for tests/stage_shim.py: (command line, pid)."""
+    runs = []
+    for server in _servers.values():
+        for line in server.log.read_text().splitlines():
+            if m := re.fullmatch(re.escape(fork_server.CLIENT_FORKED) + r" (.*) \(pid (\d+)\)", line):
+                runs.append((m[1], int(m[2])))
+    return runs
+
+
+def _server(flavour: str) -> fork_server.Server:
+    """This worker's server of ``flavour``, started on first use (hold ``_lock``)."""
+    server = _servers.get(flavour)
+    if server is None or not server.alive():
+        listen = Path(tempfile.mkdtemp(prefix="apstage.")) / f"{flavour}.sock"  # < 108 bytes
+        server = _servers[flavour] = fork_server.Server(
+            [sys.executable, "-m", "tests.stage_runner", flavour, "--listen", str(listen)],
+            env=dict(os.environ),
+            cwd=REPO,
+            name="stage runner",
+        )
+        server.listen = listen
+        atexit.register(shutil.rmtree, listen.parent, ignore_errors=True)
+    return server
+
+
+def _shim_dir() -> Path:
+    if not _shim:
+        folder = Path(tempfile.mkdtemp(prefix="apshim."))
+        stage_shim.write(str(folder), str(Path(sys.executable).parent / "alignpipe"), str(REPO))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _shim.append(folder)
+    return _shim[0]
+
+
+def _scientific_stages() -> frozenset[str]:
+    from alignpipe.engines.local.stages import USE_SCIENTIFIC_STACK
+
+    return USE_SCIENTIFIC_STACK
 
 
 def _stage(argv: list[str]) -> str:
@@ -130,5 +193,7 @@ def _become_alignpipe(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    # python -m tests.stage_runner FLAVOUR [--listen SOCKET]
+    started_with = dict(os.environ)  # what a client's run is compared with, before _preload sets more
     _preload(sys.argv[1])
-    fork_server.serve(_become_alignpipe)
+    fork_server.serve(_become_alignpipe, listen=sys.argv[3] if len(sys.argv) > 3 else None, env=started_with)

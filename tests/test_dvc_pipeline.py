@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import stage_runner
 from tests.conftest import GIT_ENV, REPO
 
 CHECK_LOCK = REPO / "benchmarks" / "check_lock.sh"
@@ -318,6 +319,7 @@ def test_the_pipeline_reproduces_its_lock_and_an_rlhf_experiment_reruns_only_its
 
     root = writable_copy(tiny_pipeline.root, tmp_path / "repo")
     env = {**os.environ, **GIT_ENV, "ALIGNPIPE_SCRATCH": str(tmp_path / "scratch"), "PYTHONHASHSEED": "0"}
+    env = stage_runner.dvc_env(env)  # the experiment's stage processes forked (tests/stage_shim.py)
 
     def dvc(*argv: str) -> str:
         proc = subprocess.run(["dvc", *argv], cwd=root, env=env, capture_output=True, text=True)

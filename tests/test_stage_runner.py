@@ -1,15 +1,31 @@
 """The tests' stage runner (tests/stage_runner.py): a stage run forked from the preloaded
 interpreter publishes what a new ``alignpipe`` process publishes, and a run the fork could
-change goes to a new process."""
+change goes to a new process; the same for the stage processes a ``dvc`` command starts
+(tests/stage_shim.py), which also stop with it."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
+import psutil
+
 from tests import fork_server, stage_runner
-from tests.conftest import OFFLINE, run_cli, set_params, writable_copy
+from tests.conftest import (
+    GIT_ENV,
+    OFFLINE,
+    ONE_THREAD,
+    SINGLE_TURN,
+    copy_repo,
+    merged,
+    run_cli,
+    set_params,
+    writable_copy,
+)
 
 SHORT_SFT = {"sft": {"sft": {"max_num_steps": 6, "val_period": 3}}}
 
@@ -54,3 +70,63 @@ def test_runs_the_fork_could_change_get_a_new_process() -> None:
     ]
     # Read by the stage at run time: may differ per run.
     assert fork_server.differs(env, {**env, "ALIGNPIPE_SCRATCH": "/s", "PATH": "/bin"}) == []
+
+
+def test_the_stages_dvc_starts_are_forked_and_publish_what_new_processes_do(tmp_path: Path) -> None:
+    locks = {}
+    for how in ("forked", "new"):
+        root = copy_repo(tmp_path / how / "repo", git=True)
+        set_params(root, merged(SINGLE_TURN, ONE_THREAD))
+        env = {**os.environ, **OFFLINE, **GIT_ENV, "ALIGNPIPE_SCRATCH": str(tmp_path / how / "scratch")}
+        if how == "new":
+            env[stage_runner.FRESH] = "1"
+        served = stage_runner.served()
+        repro = subprocess.run(
+            ["dvc", "repro", "base"], cwd=root, env=stage_runner.dvc_env(env), capture_output=True, text=True
+        )
+        assert repro.returncode == 0, repro.stdout[-3000:] + repro.stderr[-3000:]
+        assert stage_runner.served() - served == 2 * (how == "forked"), how  # prep and base
+        assert "base: parameters" in repro.stdout  # the stage's console reached dvc's stdout
+        locks[how] = (root / "dvc.lock").read_text()
+    assert locks["forked"] == locks["new"]
+    # What a new stage process would print while importing (a library's warning) goes to the
+    # servers' own log, not to dvc's console (test_dvc_pipeline's console test): none.
+    for server in stage_runner._servers.values():
+        said = [line for line in server.log.read_text().splitlines() if not line.startswith("client run")]
+        assert not said, f"the {server.name}'s imports printed:\n" + "\n".join(said)
+
+
+def test_a_forked_stage_stops_with_the_dvc_that_started_it(prepared_repo: Path, tmp_path: Path) -> None:
+    """As for a stage process (tests/test_interrupts.py): SIGTERM to dvc alone stops the run,
+    and it publishes nothing."""
+    root = writable_copy(prepared_repo, tmp_path / "repo")
+    env = {**os.environ, **OFFLINE, "ALIGNPIPE_SCRATCH": str(tmp_path / "scratch"), "SHELL": "/bin/bash"}
+    before = len(stage_runner.forked_for_dvc())
+    dvc = subprocess.Popen(
+        ["dvc", "repro", "sft"],
+        cwd=root,
+        env=stage_runner.dvc_env(env),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(stage_runner.forked_for_dvc()) == before:
+            assert dvc.poll() is None and time.monotonic() < deadline, "dvc's sft was never forked"
+            time.sleep(0.2)
+        ((command, pid),) = stage_runner.forked_for_dvc()[before:]
+        assert command == "alignpipe run sft"
+        time.sleep(2)  # into training
+        os.kill(dvc.pid, signal.SIGTERM)  # the dvc PID alone, not its process group
+        dvc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the forked sft outlived dvc by 10 s"
+            time.sleep(0.2)
+    finally:
+        try:
+            os.killpg(dvc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not (root / "models" / "sft").exists(), "an interrupted stage must publish nothing"

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from alignpipe.artifacts import dvc_hash, md5_file
+from tests import stage_runner
 from tests.conftest import OFFLINE, copy_repo, run_cli, set_model, set_params, writable_copy
 
 
@@ -202,6 +203,7 @@ def test_editing_a_file_of_a_local_model_reruns_base_and_what_follows(tmp_path: 
     root = copy_repo(tmp_path / "repo", git=True)
     env = {**os.environ, **OFFLINE, "ALIGNPIPE_SCRATCH": str(tmp_path / "scratch"), "GIT_AUTHOR_NAME": "t",
            "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
+    env = stage_runner.dvc_env(env)  # its stage processes forked (tests/stage_shim.py)
 
     def dvc(*argv: str) -> str:
         proc = subprocess.run(["dvc", *argv], cwd=root, env=env, capture_output=True, text=True)
