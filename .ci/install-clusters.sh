@@ -30,7 +30,7 @@ fi
 # dev extra, which carries ray[default]. An existing venv gets Ray here if it lacks it.
 if [ -x "$venv/bin/python" ]; then
   if ! "$venv/bin/python" -c 'import ray.job_submission, ray.dashboard' >/dev/null 2>&1; then
-    "$venv/bin/python" -m pip install -q --no-compile "ray[default]>=2.55.1,<2.61"  # pyproject.toml's dev pin
+    "$venv/bin/python" -m pip install -q "ray[default]>=2.55.1,<2.61"  # pyproject.toml's dev pin
   fi
   ray_version="$("$venv/bin/python" -c 'import ray; print(ray.__version__)')"
 else

@@ -21,8 +21,8 @@ if [ -z "$python" ]; then
 fi
 rm -rf "$venv"
 "$python" -m venv "$venv"
-"$venv/bin/python" -m pip install -q --no-compile --upgrade pip
+"$venv/bin/python" -m pip install -q --upgrade pip
 # math_with_judge's own requirement, as Gym pins it (Gym would build it a venv of its own with uv)
-"$venv/bin/python" -m pip install -q --no-compile "nemo-gym==0.4.0" "math-verify==0.8.0"
+"$venv/bin/python" -m pip install -q "nemo-gym==0.4.0" "math-verify==0.8.0"
 "$venv/bin/python" -c 'import nemo_gym, importlib.metadata as m; print("install-gym: nemo-gym", m.version("nemo-gym"))'
 touch "$venv/.complete"

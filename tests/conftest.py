@@ -602,10 +602,7 @@ def nemo_rl_schema_python() -> Path:
 def _build_schema_venv(venv: Path, python: Path, done: Path) -> None:
     shutil.rmtree(venv, ignore_errors=True)  # a half-built venv from an interrupted run
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--no-compile", "--no-deps", *NEMO_RL_SCHEMA_PINS],
-        check=True,
-    )
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", *NEMO_RL_SCHEMA_PINS], check=True)
     done.write_text("\n".join(NEMO_RL_SCHEMA_PINS) + "\n")
 
 
@@ -684,7 +681,7 @@ def nemo_rl_runtime_python() -> Path:
                               check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
         ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
         (Path(site) / "alignpipe_project_venv.pth").write_text("\n".join(sorted(ours)) + "\n")
-        pip = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", *NEMO_RL_RUNTIME_PINS],
+        pip = subprocess.run([str(python), "-m", "pip", "install", "-q", *NEMO_RL_RUNTIME_PINS],
                              capture_output=True, text=True)  # fmt: skip
         assert pip.returncode == 0, f"installing {NEMO_RL_RUNTIME_PINS} failed:\n{pip.stderr[-4000:]}"
         done.write_text("\n".join(NEMO_RL_RUNTIME_PINS) + "\n")

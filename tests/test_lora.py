@@ -33,8 +33,10 @@ def automodel() -> Path:
     """A folder holding Automodel 0.7.0's sources (PyPI wheel), on sys.path for this session."""
     target = Path.home() / ".cache" / "alignpipe" / "automodel-0.7.0"
     if not (target / "nemo_automodel" / "components" / "_peft" / "lora.py").is_file():
-        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-compile", "--no-deps"]
-        subprocess.run([*pip, "--target", str(target), AUTOMODEL], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), AUTOMODEL],
+            check=True,
+        )
     sys.path.insert(0, str(target))
     return target
 
