@@ -302,7 +302,8 @@ class _Loop:
             client.send(json.dumps({"fresh": why}).encode())
             return
         self.clients[client] = self.fork(message, tuple(fds), client)
-        print(f"{CLIENT_FORKED} {' '.join(message['argv'])} (pid {self.clients[client]})", file=sys.stderr)
+        said = f"{' '.join(message['argv'])} in {message['cwd']} (pid {self.clients[client]})"
+        print(f"{CLIENT_FORKED} {said}", file=sys.stderr)
         client.send(json.dumps({"pid": self.clients[client]}).encode())
 
     def reap(self, pidfd: int) -> None:

@@ -99,17 +99,19 @@ def dvc_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def served() -> int:
-    """How many runs this worker has forked so far (from its tests and its dvc commands)."""
-    return sum(server.served for server in _servers.values()) + len(forked_for_dvc())
+    """How many runs this worker has forked so far for its tests (``forked_for_dvc``: for dvc)."""
+    return sum(server.served for server in _servers.values())
 
 
-def forked_for_dvc() -> list[tuple[str, int]]:
-    """The runs this worker's servers forked for tests/stage_shim.py: (command line, pid)."""
+def forked_for_dvc(cwd: Path | None = None) -> list[tuple[str, int]]:
+    """The runs this worker's servers forked for tests/stage_shim.py (in ``cwd``, if given:
+    other tests' dvc commands may run beside): (command line, pid)."""
     runs = []
     for server in _servers.values():
         for line in server.log.read_text().splitlines():
-            if m := re.fullmatch(re.escape(fork_server.CLIENT_FORKED) + r" (.*) \(pid (\d+)\)", line):
-                runs.append((m[1], int(m[2])))
+            m = re.fullmatch(re.escape(fork_server.CLIENT_FORKED) + r" (.*) in (.*) \(pid (\d+)\)", line)
+            if m and (cwd is None or m[2] == str(cwd)):
+                runs.append((m[1], int(m[3])))
     return runs
 
 

@@ -80,12 +80,11 @@ def test_the_stages_dvc_starts_are_forked_and_publish_what_new_processes_do(tmp_
         env = {**os.environ, **OFFLINE, **GIT_ENV, "ALIGNPIPE_SCRATCH": str(tmp_path / how / "scratch")}
         if how == "new":
             env[stage_runner.FRESH] = "1"
-        served = stage_runner.served()
         repro = subprocess.run(
             ["dvc", "repro", "base"], cwd=root, env=stage_runner.dvc_env(env), capture_output=True, text=True
         )
         assert repro.returncode == 0, repro.stdout[-3000:] + repro.stderr[-3000:]
-        assert stage_runner.served() - served == 2 * (how == "forked"), how  # prep and base
+        assert len(stage_runner.forked_for_dvc(root)) == 2 * (how == "forked"), how  # prep and base
         assert "base: parameters" in repro.stdout  # the stage's console reached dvc's stdout
         locks[how] = (root / "dvc.lock").read_text()
     assert locks["forked"] == locks["new"]
@@ -101,7 +100,6 @@ def test_a_forked_stage_stops_with_the_dvc_that_started_it(prepared_repo: Path, 
     and it publishes nothing."""
     root = writable_copy(prepared_repo, tmp_path / "repo")
     env = {**os.environ, **OFFLINE, "ALIGNPIPE_SCRATCH": str(tmp_path / "scratch"), "SHELL": "/bin/bash"}
-    before = len(stage_runner.forked_for_dvc())
     dvc = subprocess.Popen(
         ["dvc", "repro", "sft"],
         cwd=root,
@@ -112,10 +110,10 @@ def test_a_forked_stage_stops_with_the_dvc_that_started_it(prepared_repo: Path, 
     )
     try:
         deadline = time.monotonic() + 120
-        while len(stage_runner.forked_for_dvc()) == before:
+        while not stage_runner.forked_for_dvc(root):
             assert dvc.poll() is None and time.monotonic() < deadline, "dvc's sft was never forked"
             time.sleep(0.2)
-        ((command, pid),) = stage_runner.forked_for_dvc()[before:]
+        ((command, pid),) = stage_runner.forked_for_dvc(root)
         assert command == "alignpipe run sft"
         time.sleep(2)  # into training
         os.kill(dvc.pid, signal.SIGTERM)  # the dvc PID alone, not its process group
