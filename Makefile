@@ -29,19 +29,11 @@ XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 .PHONY: venv repro test test-quick lint clean-scratch
 
-# pip byte-compiles each wheel's modules one file at a time, two thirds of the install's CPU;
-# compileall does the same on every core (155 s -> ~115 s on 2 cores). The caches must exist:
-# where PYTHONDONTWRITEBYTECODE is set, Python would otherwise compile every module it imports,
-# in every process. compileall's errors are files for newer Pythons
-# (torch's py312 test helpers), which pip skips the same way.
-PIP_INSTALL := $(BIN)/python -m pip install -q --no-compile
-
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP_INSTALL) --upgrade pip
-	$(PIP_INSTALL) $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_SPEC)"
-	$(PIP_INSTALL) -e ".[local,dev]"
-	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[local,dev]"
 	touch $@
 
 venv: $(BIN)/.installed

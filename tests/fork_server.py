@@ -44,7 +44,8 @@ FRESH = "ALIGNPIPE_TEST_FRESH_PROCESSES"
 RUNTIME_ONLY = frozenset({"PATH", "PWD", "OLDPWD", "PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED", "_", "SHLVL"})
 RUNTIME_ONLY_PREFIXES = ("ALIGNPIPE_", "DVC_", "GIT_")
 # What the server's log (its stderr) says of each run a socket client asked for.
-CLIENT_FORKED, CLIENT_REFUSED = "client run forked:", "client run refused:"
+CLIENT_RUN = "client run"
+CLIENT_FORKED, CLIENT_REFUSED = f"{CLIENT_RUN} forked:", f"{CLIENT_RUN} refused:"
 
 
 def differs(server_env: dict[str, str], env: dict[str, str]) -> list[str]:
@@ -280,7 +281,10 @@ class _Loop:
             self.answer({"pid": self.fork(request, _opened(request), None)})
 
     def from_client(self, client: socket.socket) -> None:
-        data, fds, _, _ = socket.recv_fds(client, 1 << 20, 3)
+        try:
+            data, fds, _, _ = socket.recv_fds(client, 1 << 20, 3)
+        except OSError:  # reset by a client killed mid-send: as its death
+            data, fds = b"", []
         if not data:  # the client died (the `alignpipe` dvc ran): its run gets what a parent's
             pid = self.clients.pop(client)  # death gives one (alignpipe.launch.interrupt)
             client.close()

@@ -91,7 +91,11 @@ def test_the_stages_dvc_starts_are_forked_and_publish_what_new_processes_do(tmp_
     # What a new stage process would print while importing (a library's warning) goes to the
     # servers' own log, not to dvc's console (test_dvc_pipeline's console test): none.
     for server in stage_runner._servers.values():
-        said = [line for line in server.log.read_text().splitlines() if not line.startswith("client run")]
+        said = [
+            line
+            for line in server.log.read_text().splitlines()
+            if not line.startswith(fork_server.CLIENT_RUN)
+        ]
         assert not said, f"the {server.name}'s imports printed:\n" + "\n".join(said)
 
 
