@@ -39,9 +39,12 @@ from pathlib import Path
 # Set to 1: every run gets a new interpreter, no fork (how to rule the servers out).
 FRESH = "ALIGNPIPE_TEST_FRESH_PROCESSES"
 # Read at run time, never by a library at import: may differ per run. The tests' own, and
-# what a shell (`_`, SHLVL), DVC (DVC_ROOT, DVC_STAGE, DVC_EXP_*: read by DVCLive's Live())
-# and git's identity (GIT_*) add to a stage's environment.
-RUNTIME_ONLY = frozenset({"PATH", "PWD", "OLDPWD", "PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED", "_", "SHLVL"})
+# what a shell (`_`, SHLVL; SHELL, which DVC runs a stage's cmd with and CI may not set),
+# DVC (DVC_ROOT, DVC_STAGE, DVC_EXP_*: read by DVCLive's Live()) and git's identity (GIT_*)
+# add to a stage's environment.
+RUNTIME_ONLY = frozenset(
+    {"PATH", "PWD", "OLDPWD", "PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED", "_", "SHLVL", "SHELL"}
+)
 RUNTIME_ONLY_PREFIXES = ("ALIGNPIPE_", "DVC_", "GIT_")
 # What the server's log (its stderr) says of each run a socket client asked for.
 CLIENT_RUN = "client run"
@@ -302,7 +305,8 @@ class _Loop:
         if why:
             for fd in fds:
                 os.close(fd)
-            print(f"{CLIENT_REFUSED} {' '.join(message['argv'])}: {', '.join(why)} differ", file=sys.stderr)
+            said = f"{' '.join(message['argv'])} in {message['cwd']}: {', '.join(why)} differ"
+            print(f"{CLIENT_REFUSED} {said}", file=sys.stderr)
             client.send(json.dumps({"fresh": why}).encode())
             return
         self.clients[client] = self.fork(message, tuple(fds), client)

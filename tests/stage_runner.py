@@ -115,6 +115,17 @@ def forked_for_dvc(cwd: Path | None = None) -> list[tuple[str, int]]:
     return runs
 
 
+def refused_for_dvc(cwd: Path) -> list[str]:
+    """Why this worker's servers gave runs in ``cwd`` a new process instead of a fork."""
+    prefix = f"{fork_server.CLIENT_REFUSED} "
+    return [
+        line.removeprefix(prefix)
+        for server in _servers.values()
+        for line in server.log.read_text().splitlines()
+        if line.startswith(prefix) and f" in {cwd}: " in line
+    ]
+
+
 def _server(flavour: str) -> fork_server.Server:
     """This worker's server of ``flavour``, started on first use (hold ``_lock``)."""
     server = _servers.get(flavour)

@@ -69,7 +69,10 @@ def test_runs_the_fork_could_change_get_a_new_process() -> None:
         "HF_HUB_OFFLINE"
     ]
     # Read by the stage at run time: may differ per run.
-    assert fork_server.differs(env, {**env, "ALIGNPIPE_SCRATCH": "/s", "PATH": "/bin"}) == []
+    assert (
+        fork_server.differs(env, {**env, "ALIGNPIPE_SCRATCH": "/s", "PATH": "/bin", "SHELL": "/bin/zsh"})
+        == []
+    )
 
 
 def test_the_stages_dvc_starts_are_forked_and_publish_what_new_processes_do(tmp_path: Path) -> None:
@@ -115,7 +118,9 @@ def test_a_forked_stage_stops_with_the_dvc_that_started_it(prepared_repo: Path, 
     try:
         deadline = time.monotonic() + 120
         while not stage_runner.forked_for_dvc(root):
-            assert dvc.poll() is None and time.monotonic() < deadline, "dvc's sft was never forked"
+            assert dvc.poll() is None and time.monotonic() < deadline, (
+                f"dvc's sft was never forked: {stage_runner.refused_for_dvc(root) or 'not refused'}"
+            )
             time.sleep(0.2)
         ((command, pid),) = stage_runner.forked_for_dvc(root)
         assert command == "alignpipe run sft"
