@@ -5,6 +5,7 @@
 #     neither configured nor started.
 #   - ray[default] (Jobs API + dashboard) into the project's virtual environment.
 # Usage: .ci/install-clusters.sh [VENV]   (VENV defaults to .venv next to this repo)
+#        .ci/install-clusters.sh --system  (Slurm only: .ci/run, while `make venv` builds the venv)
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,7 +29,9 @@ fi
 
 # On a fresh clone the venv does not exist yet: `make test` creates it and installs the
 # dev extra, which carries ray[default]. An existing venv gets Ray here if it lacks it.
-if [ -x "$venv/bin/python" ]; then
+if [ "$venv" = --system ]; then
+  ray_version="(not checked: --system)"
+elif [ -x "$venv/bin/python" ]; then
   if ! "$venv/bin/python" -c 'import ray.job_submission, ray.dashboard' >/dev/null 2>&1; then
     "$venv/bin/python" -m pip install -q "ray[default]>=2.55.1,<2.61"  # pyproject.toml's dev pin
   fi
