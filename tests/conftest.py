@@ -33,7 +33,8 @@ for _k, _v in OFFLINE.items():
 _BIN = str(Path(sys.executable).parent)
 if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
     os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
-
+# Now, before any test imports a library: the worker's environment as the tests set it.
+from tests import stage_runner  # noqa: E402
 
 # Fixtures that train: a test that uses one is `slow` whatever its own marks say; one that runs
 # NeMo-RL's runtime code (a process importing NeMo-RL, often with Ray) is `upstream`. The quick
@@ -208,8 +209,6 @@ def run_cli(root: Path, *args: str, env: dict | None = None, check: bool = True,
     """Run the real ``alignpipe`` CLI in ``root`` as DVC would: a stage run in a process forked
     from one that has imported torch and transformers already (tests/stage_runner.py), anything
     else in a new process."""
-    from tests import stage_runner
-
     full_env = {**os.environ, **OFFLINE, "ALIGNPIPE_ROOT": str(root), **(env or {})}
     proc = stage_runner.run(["alignpipe", *args], cwd=root, env=full_env, timeout=timeout)
     if check and proc.returncode != 0:
@@ -337,7 +336,6 @@ def prepared_repo(tmp_path_factory) -> Path:
         root = copy_repo(tmp / "repo", git=True)
         set_params(root, merged(SINGLE_TURN, ONE_THREAD))
         env = {**os.environ, **OFFLINE, **GIT_ENV, "ALIGNPIPE_SCRATCH": str(tmp / "scratch")}
-        from tests import stage_runner
 
         env = stage_runner.dvc_env(env)  # its stage processes forked (tests/stage_shim.py)
         repro = subprocess.run(["dvc", "repro", "base"], cwd=root, env=env, capture_output=True, text=True)
@@ -383,7 +381,6 @@ def build_tiny_pipeline(tmp_path_factory) -> Reproduced:
             "ALIGNPIPE_SCRATCH": str(tmp / "scratch"),
             "PYTHONHASHSEED": "0",
         }
-        from tests import stage_runner
 
         env = stage_runner.dvc_env(env)  # its stage processes forked (tests/stage_shim.py)
         proc = subprocess.Popen(["dvc", "repro"], cwd=root, env=env, stdout=subprocess.PIPE,

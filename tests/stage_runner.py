@@ -61,6 +61,20 @@ def run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> s
     return fork_server.run(functools.partial(start, argv, cwd=cwd, env=env), argv, timeout)
 
 
+# The worker's environment before its tests import anything (tests/conftest.py imports this
+# module first). Libraries add to os.environ when a test imports them in the worker (scikit-learn
+# KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK, torch's inductor TORCHINDUCTOR_CACHE_DIR): no test
+# chose those, and a stage process sets them itself if it imports the same library. Left in,
+# every later run of that worker differed from its servers' environment and got a new process.
+_WORKER_ENV = dict(os.environ)
+
+
+def without_import_side_effects(env: dict[str, str]) -> dict[str, str]:
+    """``env`` less what the worker's own imports added to os.environ (same name, same value)."""
+    added = {k for k in os.environ.keys() - _WORKER_ENV.keys() if env.get(k) == os.environ[k]}
+    return {k: v for k, v in env.items() if k not in added}
+
+
 def start(
     argv: list[str], *, cwd: Path, env: dict[str, str], stdout, stderr
 ) -> fork_server.Forked | subprocess.Popen:
@@ -69,12 +83,15 @@ def start(
     process group of its own (``os.killpg(proc.pid, ...)``), with ``poll`` and ``wait``.
     ``stdout``/``stderr`` are open files (``stderr=subprocess.STDOUT`` joins them)."""
     if _forkable(argv, env):
+        env = without_import_side_effects(env)
         flavour = "scientific" if _stage(argv) in _scientific_stages() else "lean"
         with _lock:
             # The server imports in this worker's environment; a run that changes an import-time
             # variable of it (a test's HF_HOME, say) is no fork of that server.
             server = (
-                _server(flavour) if not fork_server.differs(dict(os.environ), env) else _servers.get(flavour)
+                _server(flavour)
+                if not fork_server.differs(without_import_side_effects(dict(os.environ)), env)
+                else _servers.get(flavour)
             )
             if server is not None and server.alive() and not fork_server.differs(server.env, env):
                 return server.start(argv, cwd, env, stdout, stderr)
@@ -91,7 +108,7 @@ def dvc_env(env: dict[str, str]) -> dict[str, str]:
     with _lock:
         sockets = ",".join(f"{flavour}={_server(flavour).listen}" for flavour in FLAVOURS)
     return {
-        **env,
+        **without_import_side_effects(env),
         "PATH": os.pathsep.join([str(_shim_dir()), env.get("PATH", "")]),
         stage_shim.SOCKETS: sockets,
         stage_shim.SCIENTIFIC: ",".join(sorted(_scientific_stages())),
@@ -133,7 +150,7 @@ def _server(flavour: str) -> fork_server.Server:
         listen = Path(tempfile.mkdtemp(prefix="apstage.")) / f"{flavour}.sock"  # < 108 bytes
         server = _servers[flavour] = fork_server.Server(
             [sys.executable, "-m", "tests.stage_runner", flavour, "--listen", str(listen)],
-            env=dict(os.environ),
+            env=without_import_side_effects(dict(os.environ)),
             cwd=REPO,
             name="stage runner",
         )

@@ -75,6 +75,22 @@ def test_runs_the_fork_could_change_get_a_new_process() -> None:
     )
 
 
+def test_what_a_library_adds_to_the_workers_environment_leaves_its_runs_forked(
+    repo_copy: Path, monkeypatch
+) -> None:
+    """Importing scikit-learn in the worker (transformers' generation does) sets KMP_INIT_AT_FORK
+    in os.environ; the worker's later stage runs were all new processes before."""
+    assert "KMP_INIT_AT_FORK" not in stage_runner._WORKER_ENV
+    run_cli(repo_copy, "run", "prep")  # the server is up, in the environment as it was
+    monkeypatch.setenv("KMP_INIT_AT_FORK", "FALSE")  # then a test imports sklearn, which does this
+    served = stage_runner.served()
+    run_cli(repo_copy, "run", "prep")
+    assert stage_runner.served() == served + 1
+    # A value a test passes itself is its choice: that run is no fork of the servers.
+    run_cli(repo_copy, "run", "prep", env={"KMP_INIT_AT_FORK": "TRUE"})
+    assert stage_runner.served() == served + 1
+
+
 def test_the_stages_dvc_starts_are_forked_and_publish_what_new_processes_do(tmp_path: Path) -> None:
     locks = {}
     for how in ("forked", "new"):
