@@ -459,11 +459,15 @@ NEMO_RL_TOP = "nemo-rl-v0.7.0"
 
 def tree_digest(top: Path) -> str:
     """sha256 over every file and link under ``top`` (``<top name>/<path>``, sorted) with the
-    sha256 of its bytes (a link: its target): the same for any archive of the same tree."""
+    sha256 of its bytes (a link: its target): the same for any archive of the same tree. The
+    interpreter's bytecode caches are not the source: importing the tree writes them wherever
+    PYTHONDONTWRITEBYTECODE is unset."""
     import hashlib
 
     entries = []
     for path in top.rglob("*"):
+        if "__pycache__" in path.relative_to(top).parts:
+            continue
         name = f"{top.name}/{path.relative_to(top).as_posix()}"
         if path.is_symlink():
             entries.append((name, "2"))  # tarfile's SYMTYPE, as the pinned digest was taken
