@@ -554,6 +554,12 @@ def extract_nemo_rl_source() -> Path:
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
+        # Its bytecode, once (the digest leaves it out): the probes import nemo_rl from here,
+        # and where PYTHONDONTWRITEBYTECODE is set (these machines) each compiled it again.
+        import compileall
+
+        package = Path(NEMO_RL_TOP) / "nemo_rl"
+        compileall.compile_dir(tmp / package, ddir=dest / package, quiet=2)
         try:
             tmp.rename(dest)  # atomic: a concurrent or interrupted run never sees half a tree
         except OSError:
