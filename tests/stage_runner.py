@@ -62,9 +62,9 @@ def run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> s
 
 
 # The worker's environment before its tests import anything (tests/conftest.py imports this
-# module once it has set the suite's variables). Libraries add to os.environ when a test imports them in the worker (scikit-learn
-# KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK, torch's inductor TORCHINDUCTOR_CACHE_DIR): no test
-# chose those, and a stage process sets them itself if it imports the same library. Left in,
+# module once it has set the suite's variables). Libraries add to os.environ when a test
+# imports them in the worker (scikit-learn KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK, torch's
+# inductor TORCHINDUCTOR_CACHE_DIR): no test chose those, and a stage process sets them itself if it imports the same library. Left in,
 # every later run of that worker differed from its servers' environment and got a new process.
 _WORKER_ENV = dict(os.environ)
 
