@@ -2,16 +2,17 @@
 #   make repro   -> virtual environment, install, run the whole pipeline (tiny CPU profile)
 #   make test    -> virtual environment, install, run the test suite
 # And one to iterate with: make test-quick (no training, no services; a few minutes).
-PYTHON ?= python3
+# The lock (lock/requirements.txt) is written for CPython 3.11.
+PYTHON ?= python3.11
 VENV   ?= .venv
-# torch goes in first, on its own, so the index it comes from can be chosen. From PyPI,
-# torch==2.13.0 on Linux x86_64 is the CUDA 13 build (it pulls triton and ~20 nvidia-* wheels,
-# GBs a CPU host never uses). On a CPU-only host take PyTorch's CPU index (torch 2.13.0+cpu):
-#   make venv TORCH_INDEX=https://download.pytorch.org/whl/cpu
-# or name a wheel you have: make venv TORCH_SPEC=/path/to/torch-2.13.0+cpu-...whl.
-# TORCH_INDEX empty: pip's configured indexes (PyPI unless pip.conf says otherwise).
-TORCH_SPEC ?= torch==2.13.0
-TORCH_INDEX ?=
+LOCK   := lock/requirements.txt
+# The extras the lock holds besides the core dependencies: the CPU engine and the dev tools.
+LOCK_EXTRAS := local dev
+# Where Linux x86-64's CPU build of torch comes from (lock/torch.txt; PyPI has only the CUDA
+# build there). The lock pins the file by its hash, so any place that holds it serves: a
+# wheelhouse in pip's find-links (an air-gapped host's), else PyTorch's CPU index.
+WHEELHOUSE ?= $(PIP_FIND_LINKS)
+TORCH_WHEELS ?= $(or $(firstword $(foreach d,$(WHEELHOUSE),$(if $(wildcard $(d)/torch-*.whl),$(d)))),https://download.pytorch.org/whl/cpu/torch/)
 BIN    := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 export HF_HUB_OFFLINE := 1
@@ -27,16 +28,34 @@ TEST_WORKERS ?= auto
 # Workers take whole groups in the order tests/conftest.py's schedule_order gives (longest first).
 XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
-.PHONY: venv repro test test-quick lint clean-scratch
+UV := $(BIN)/uv -q
+.PHONY: venv lock repro test test-quick lint clean-scratch
 
-$(BIN)/.installed: pyproject.toml
+# uv and packaging first, at their locked versions and hashes: uv installs the rest, and
+# lock/check.py (packaging) refuses a lock that no longer matches pyproject.toml.
+$(BIN)/.bootstrapped: $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[local,dev]"
+	awk '/^[^ #]/ { keep = /^(uv|packaging)==/ } keep' $(LOCK) > $(VENV)/bootstrap.txt
+	$(BIN)/python -m pip install -q --require-hashes --no-deps -r $(VENV)/bootstrap.txt
+	touch $@
+
+# Exactly the lock: `uv pip sync` removes what it does not list. torch goes first, on Linux
+# x86-64 from TORCH_WHEELS, checked against the lock's hash (-c); then everything else from PyPI.
+$(BIN)/.installed: pyproject.toml $(LOCK) $(BIN)/.bootstrapped
+	$(BIN)/python lock/check.py $(LOCK_EXTRAS)
+	$(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),$(UV) pip install --python $(BIN)/python --no-deps -c $(LOCK) --find-links $(TORCH_WHEELS) torch)
+	$(UV) pip sync --python $(BIN)/python --require-hashes $(LOCK)
+	$(UV) pip install --python $(BIN)/python --no-deps --no-build-isolation -e .
 	touch $@
 
 venv: $(BIN)/.installed
+
+# After changing dependencies in pyproject.toml (or lock/torch.txt): resolve again, for every
+# platform the lock serves (lock/check.py's PLATFORMS), with every file's hash.
+lock: $(BIN)/.bootstrapped
+	$(UV) pip compile pyproject.toml $(addprefix --extra ,$(LOCK_EXTRAS)) --universal --python-version 3.11 \
+	  --generate-hashes --override lock/torch.txt --find-links $(TORCH_WHEELS) \
+	  --custom-compile-command "make lock" -o $(LOCK)
 
 repro: venv
 	$(BIN)/dvc repro
@@ -52,8 +71,8 @@ test-quick: venv
 	$(BIN)/python -m pytest $(XDIST) -m "$(QUICK)" $(PYTEST_ARGS)
 
 lint: venv
-	$(BIN)/ruff check alignpipe tests benchmarks
-	$(BIN)/ruff format --check alignpipe tests benchmarks
+	$(BIN)/ruff check alignpipe tests benchmarks lock
+	$(BIN)/ruff format --check alignpipe tests benchmarks lock
 	$(BIN)/lint-imports
 
 clean-scratch:

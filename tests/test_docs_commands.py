@@ -422,7 +422,7 @@ def test_commands_are_found_in_every_kind_of_doc() -> None:
         ("alignpipe plan rlvr --profile nosuch", "no profile 'nosuch'"),
         ("alignpipe plan convert --source nosuch", "no convert item 'nosuch'"),
         ("alignpipe run nosuch", "no stage 'nosuch'"),
-        ("make venv TORCH_SPEC=torch", None),
+        ("make venv TORCH_WHEELS=/srv/wheels", None),
         ("make nosuch", "no target nosuch"),
         ("make venv NO_SUCH_VAR=1", "no variable NO_SUCH_VAR"),
         ("sed -i 's/reference_policy_kl_penalty: 0.123456/x/' conf/profile/tiny.yaml", "changes nothing"),
