@@ -74,6 +74,7 @@ lint: venv
 	$(BIN)/ruff check alignpipe tests benchmarks lock
 	$(BIN)/ruff format --check alignpipe tests benchmarks lock
 	$(BIN)/lint-imports
+	$(BIN)/actionlint
 
 clean-scratch:
 	rm -rf "$${ALIGNPIPE_SCRATCH:-$$HOME/.cache/alignpipe/scratch}"

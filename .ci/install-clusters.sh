@@ -21,10 +21,10 @@ if [ "$need_slurm" = 1 ]; then
   else
     sudo=
   fi
-  export DEBIAN_FRONTEND=noninteractive
   $sudo apt-get update -qq
-  # --no-install-recommends keeps munge's daemon and mail servers off the machine.
-  $sudo apt-get install -y -qq --no-install-recommends slurm-wlm slurm-client >/dev/null
+  # --no-install-recommends keeps munge's daemon and mail servers off the machine. DEBIAN_FRONTEND
+  # through env: sudo's env_reset drops variables exported before it.
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurm-wlm slurm-client >/dev/null
 fi
 
 # On a fresh clone the venv does not exist yet: `make test` creates it and installs the

@@ -6,15 +6,20 @@
 set -euo pipefail
 venv="${ALIGNPIPE_GYM_VENV:-$HOME/.cache/alignpipe/gym-0.4.0-venv}"
 [ -f "$venv/.complete" ] && exit 0
+# Where a 3.12+ may be: GYM_PYTHON, on PATH (actions/setup-python puts every version it was given
+# there, the last as `python`), in the runner's tool cache (setup-python's, by path), or pyenv's.
 python=""
-for candidate in "${GYM_PYTHON:-}" python3.13 python3.12 "$HOME/.pyenv/versions/3.12.1/bin/python3" \
-    "$(ls -d "$HOME"/.pyenv/versions/3.1[23]*/bin/python3 2>/dev/null | head -1)"; do
+shopt -s nullglob
+for candidate in "${GYM_PYTHON:-}" python3.13 python3.12 \
+    "${RUNNER_TOOL_CACHE:-/opt/hostedtoolcache}"/Python/3.1[2-9].*/*/bin/python3 \
+    "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python3; do
   [ -n "$candidate" ] || continue
   if command -v "$candidate" >/dev/null 2>&1 \
       && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
     python="$candidate"; break
   fi
 done
+shopt -u nullglob
 if [ -z "$python" ]; then
   echo "install-gym: nemo-gym 0.4.0 needs Python >= 3.12 (none found; set GYM_PYTHON=/path/to/python3.12)" >&2
   exit 1
