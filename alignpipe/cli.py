@@ -113,6 +113,27 @@ def _cmd_params(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    import json
+
+    from alignpipe.measure import compare as K
+
+    root = C.repo_root()
+    named = [K.resolve(root, name) for name in (args.a, *args.b)]  # every name known before any read
+    base = K.read_run(root, named[0])
+    reports = []
+    for name in named[1:]:
+        other = K.read_run(root, name)
+        rows, notes = K.compare(base, other)
+        reports.append(
+            K.as_json(base, other, rows, notes) if args.json else K.markdown(base, other, rows, notes)
+        )
+    print(
+        json.dumps(reports, indent=1) if args.json else "\n".join(reports), end="" if not args.json else "\n"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="alignpipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -145,6 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     params = sub.add_parser("params", help="regenerate params.yaml from conf/ (as dvc exp run does)")
     params.add_argument("--check", action="store_true", help="exit 1 if params.yaml differs from conf/")
     params.set_defaults(func=_cmd_params)
+
+    compare = sub.add_parser(
+        "compare",
+        help="every policy's figures in two runs, paired per prompt with 95%% intervals",
+        description="A and B are git revisions, DVC experiment names or `workspace`; with several Bs "
+        "(a sweep), each is compared with A. Reads the evaluate and benchmark results through DVC.",
+    )
+    compare.add_argument("a", metavar="A")
+    compare.add_argument("b", metavar="B", nargs="+")
+    compare.add_argument("--json", action="store_true", help="print JSON instead of Markdown tables")
+    compare.set_defaults(func=_cmd_compare)
 
     stages = sub.add_parser("stages", help="list the stages and what they do")
     stages.set_defaults(func=_cmd_stages)

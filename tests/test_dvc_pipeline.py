@@ -328,9 +328,27 @@ def test_the_pipeline_reproduces_its_lock_and_an_rlhf_experiment_reruns_only_its
         )
         return proc.stdout
 
+    # This machine's run is the baseline (on another CPU kind its outputs are not the committed ones).
+    subprocess.run(["git", "commit", "-qam", "this machine's run"], cwd=root, env=env, check=True)
     steps = json.loads((root / "results" / "rlhf" / "metrics.json").read_text())["step"]
-    ran = re.findall(r"Running stage '([^']+)'", dvc("exp", "run", "-S", "rlhf.grpo.max_num_steps=2"))
+    knobs = ["-S", "rlhf.grpo.max_num_steps=2", "-S", "rlhf.loss_fn.reference_policy_kl_penalty=0.5"]
+    ran = re.findall(r"Running stage '([^']+)'", dvc("exp", "run", "-n", "kl-0.5", *knobs))
     assert sorted(ran) == ["benchmark@rlhf", "convert@rlhf", "evaluate", "rlhf"], ran
+
+    # `alignpipe compare`: every policy, paired per prompt; only rlhf's samples can have moved.
+    compare = subprocess.run(["alignpipe", "compare", "HEAD", "kl-0.5", "--json"], cwd=root, env=env,
+                             capture_output=True, text=True)  # fmt: skip
+    assert compare.returncode == 0, compare.stderr
+    rows = {(r["policy"], r["figure"]): r for r in json.loads(compare.stdout)[0]["rows"]}
+    for policy in ("sft", "dpo", "rlvr", "rlhf"):
+        row = rows[(policy, "heldout_accuracy")]
+        assert (
+            row["n"] == 300
+            and row["b_minus_a"]["low"] <= row["b_minus_a"]["value"] <= row["b_minus_a"]["high"]
+        )
+        assert (policy, "rm_score") in rows and (policy, "heldout_exact/exact_match") in rows, policy
+        if policy != "rlhf":
+            assert row["b_minus_a"] == {"value": 0.0, "low": 0.0, "high": 0.0}, (policy, row)
     shown = json.loads(dvc("metrics", "show", "--json"))[""]["data"]
     for policy in ("base", "sft", "dpo", "rlvr", "rlhf"):
         tasks = shown[f"results/benchmark/{policy}/metrics.json"]["data"]["tasks"]
