@@ -12,12 +12,16 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 MANIFEST = "artifact.json"
+# Stages whose floats no CPU kernel computes: prep (none), base (a seeded random draw, or a copy
+# of the starting model), convert (a copy of the policy's weights). The same bytes on any CPU.
+KERNEL_FREE_STAGES = {"prep", "base", "convert"}
 RESOLVED_CONFIG = "resolved_config.yaml"
 
 # Artifact types, Nemotron steps vocabulary (plus the DVCLive directory). checkpoint_lora: a PEFT
@@ -181,6 +185,10 @@ def write_manifest(
         manifest["source_model"] = source_model
     if system_prompt:  # the system turn a policy was trained after: measure and serve it with it
         manifest["system_prompt"] = system_prompt
+    if engine == "local" and stage not in KERNEL_FREE_STAGES and "torch" in sys.modules:
+        from alignpipe.cpu_kernels import chosen  # the kernels that computed its floats decide its bytes
+
+        manifest["cpu_kernels"] = chosen()
     if extra:
         manifest.update(extra)
     write_json_atomic(Path(directory) / MANIFEST, manifest)

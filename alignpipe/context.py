@@ -63,9 +63,13 @@ def lift_offline_env() -> None:
 
 
 def set_cpu_env() -> None:
-    """Before torch is imported: ``CPU_ENV``, unless the user set those variables."""
+    """Before torch is imported: ``CPU_ENV``, unless the user set those variables, and the
+    portable CPU kernels (alignpipe/cpu_kernels.py)."""
+    from alignpipe import cpu_kernels
+
     for k, v in CPU_ENV.items():
         os.environ.setdefault(k, v)
+    cpu_kernels.pin()
 
 
 # Where system prompt files live: a DVC dep of every stage that trains, so editing one re-runs them.

@@ -261,8 +261,8 @@ def test_the_docs_quote_the_reproduced_committed_run(tiny_pipeline) -> None:
     differences = differences_from_lock(tiny_pipeline.root, tiny_pipeline.committed_lock)
     if differences:
         pytest.skip(
-            f"the reproduced run is not the committed one ({differences[0]}): expected on another CPU "
-            "kind than benchmarks/lock_machine.json, where the figures are not checked; on that kind "
+            f"the reproduced run is not the committed one ({differences[0]}): expected with other CPU "
+            "kernels than benchmarks/lock_kernels.json's, where the figures are not checked; with those "
             "tests/test_dvc_pipeline.py fails too"
         )
     errors = run_figure_errors(Run(tiny_pipeline.root))
