@@ -33,6 +33,12 @@ for _k, _v in OFFLINE.items():
 _BIN = str(Path(sys.executable).parent)
 if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
     os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
+# The stage processes' CPU kernels in every test process too, before torch loads
+# (alignpipe/cpu_kernels.py): what a test computes in-process is the same bits on any x86-64 CPU
+# with AVX2, as what its stage processes compute.
+from alignpipe import cpu_kernels  # noqa: E402
+
+cpu_kernels.pin()
 # Now, before any test imports a library: the worker's environment as the tests set it.
 from tests import stage_runner  # noqa: E402
 

@@ -9,8 +9,10 @@ Nothing here re-implements NeMo-RL; each probe builds NeMo-RL's objects the way 
 code does (file and function named) and calls them. The test compares the result with the
 local engine's own functions in its own process.
 
-Two adjustments, to the machine rather than to NeMo-RL's code:
+Three adjustments, to the machine rather than to NeMo-RL's code:
 
+* the CPU kernels the local engine's stages use (alignpipe/cpu_kernels.py), so that both sides
+  round alike on any x86-64 CPU;
 * on Python 3.11 pydantic refuses ``typing.TypedDict``, which NeMo-RL's config modules use (it
   needs 3.13); ``typing_extensions`` has the same class with the same semantics, so it is put
   in its place before NeMo-RL imports;
@@ -31,6 +33,9 @@ import typing_extensions
 typing.TypedDict = typing_extensions.TypedDict  # type: ignore[misc]
 typing.NotRequired = typing_extensions.NotRequired  # type: ignore[misc]
 
+from alignpipe import cpu_kernels  # noqa: E402
+
+cpu_kernels.pin()  # the stages' CPU kernels, before torch loads: the same bits as the local engine's
 import torch  # noqa: E402
 
 torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
