@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 from packaging.markers import default_environment
@@ -77,7 +78,11 @@ def test_this_venv_holds_exactly_the_lock():
         for p in check.read_lock(ROOT / "lock" / "requirements.txt")
         if p.marker is None or p.marker.evaluate(env)
     }
-    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    # This venv's own site-packages: other tests put wheels on sys.path (test_lora's --target dir).
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    installed = {
+        canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=site)
+    }
     installed.pop("alignpipe")
     assert {n: v for n, v in installed.items() if wanted.get(n) != v} == {}, (
         f"this venv differs from lock/requirements.txt on {platform.machine()}: rebuild it (make venv)"
