@@ -12,10 +12,12 @@ import sys
 from alignpipe.engines.local.stages import skip_unused_libraries
 skip_unused_libraries({stage!r})
 import torch
+torch.manual_seed(0)
 from transformers import LlamaConfig, LlamaForCausalLM
 model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)).eval()
-out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+# min_new_tokens: a random model's greedy token may be its eos (id 2) and stop generation early.
+out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, min_new_tokens=2, do_sample=False)
 print(out.shape[1], sys.modules.get("sklearn") is not None, sys.modules.get("scipy") is not None)
 {more}
 """
