@@ -20,6 +20,7 @@ from alignpipe.measure.intervals import above, below, paired_difference
 
 EVALUATE = "results/evaluate"
 BENCHMARK = "results/benchmark"
+REWARD_MODEL = "models/rm"
 WORKSPACE = "workspace"
 
 
@@ -69,7 +70,8 @@ def read_run(root, named: Named) -> Run:
 
     name, rev, label = named.name, named.rev, named.label
     fs = DVCFileSystem(str(root), rev=rev)
-    samples = _read(fs, name, f"{EVALUATE}/samples.jsonl")
+    outs = _lock_outs(fs)
+    samples = _read(fs, name, f"{EVALUATE}/samples.jsonl", outs)
     heldout: dict[str, list[dict[str, Any]]] = {}
     for line in samples.splitlines():
         if line.strip():
@@ -83,18 +85,18 @@ def read_run(root, named: Named) -> Run:
                 continue
             for path in sorted(fs.find(where)):
                 if path.endswith(".jsonl"):
-                    rows = [json.loads(x) for x in _read(fs, name, path).splitlines() if x.strip()]
+                    rows = [json.loads(x) for x in _read(fs, name, path, outs).splitlines() if x.strip()]
                     benchmarks.setdefault(policy, {})[PurePosixPath(path).stem] = {
                         int(r["doc_id"]): {k: float(v) for k, v in r["scores"].items()} for r in rows
                     }
-    return Run(name, label, heldout, benchmarks, _reward_model(fs, name))
+    return Run(name, label, heldout, benchmarks, outs.get(REWARD_MODEL))
 
 
-def _read(fs, name: str, path: str) -> str:
+def _read(fs, name: str, path: str, outs: dict[str, str]) -> str:
     try:
         return fs.read_text(path)
     except Exception as e:  # DVC raises several kinds for a missing object; each means the same here
-        if not fs.isdir(PurePosixPath(path).parent.as_posix()) and not _declared(fs, path):
+        if not any(path == o or path.startswith(o + "/") for o in outs):
             raise CompareError(f"{name} has no {path}: the pipeline had not run evaluate there") from None
         raise CompareError(
             f"{name}'s {path} is not in the DVC cache or the remote: `dvc pull` it (or `dvc exp pull` "
@@ -102,26 +104,15 @@ def _read(fs, name: str, path: str) -> str:
         ) from e
 
 
-def _declared(fs, path: str) -> bool:
-    """Some output of the revision's dvc.lock holds ``path``."""
-    try:
-        lock = fs.read_text("dvc.lock")
-    except Exception:
-        return False
-    return any(f"path: {p}\n" in lock for p in (EVALUATE, path))
-
-
-def _reward_model(fs, name: str) -> str | None:
-    """The content hash dvc.lock records for the rm stage's output, if the run has one."""
+def _lock_outs(fs) -> dict[str, str]:
+    """Every output the revision's dvc.lock records, with its content hash."""
     import yaml
 
     try:
         stages = yaml.safe_load(fs.read_text("dvc.lock")).get("stages", {})
-    except Exception:
-        return None
-    for out in (stages.get("rm") or {}).get("outs", []):
-        return out.get("md5")
-    return None
+    except Exception:  # no dvc.lock: nothing ran there
+        return {}
+    return {o["path"]: o.get("md5") for stage in stages.values() for o in stage.get("outs", [])}
 
 
 @dataclass
