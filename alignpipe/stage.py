@@ -95,9 +95,9 @@ def run_stage(
     check_running_code(root)
     if ctx.engine == "local":
         set_cpu_env()
-        from alignpipe.engines.local.stages import skip_unused_libraries
+        from alignpipe.engines.local.stages import skip_transformers_optional_imports
 
-        skip_unused_libraries(ctx.name)
+        skip_transformers_optional_imports()
     console.quiet_libraries(console.raw_log_path(root, ctx.label))
     module.run(ctx)
     if os.environ.get("ALIGNPIPE_TIMING"):  # benchmarks/: wall and CPU time of the whole stage process

@@ -43,10 +43,10 @@ def measure(rounds: int) -> dict:
 
     sys.path.insert(0, str(REPO))
     from alignpipe.measure.generation import generate
-    from alignpipe.tiny import build_causal_lm, train_char_tokenizer
+    from alignpipe.tiny import build_causal_lm, train_tokenizer
 
     cfg = yaml.safe_load((REPO / "stages/base/config/tiny.yaml").read_text())["model"]
-    tok = train_char_tokenizer(["0123456789 +:sortreverseadd"])
+    tok = train_tokenizer(["0123456789 +:sortreverseadd"], "char")
     prompts = [f"sort:{i * 7919 % 10000:04d}" for i in range(300)]  # held-out-sized batch
     x = torch.randint(0, len(tok), (64, 16), generator=torch.Generator().manual_seed(0))  # rm's micro batch
 

@@ -75,9 +75,9 @@ def run_upstream(src: Path, argv: list[str], timeout: float = 600) -> str:
 @pytest.fixture(scope="session")
 def tiny_hf_model(tmp_path_factory) -> Path:
     """A tiny HF Llama + char tokenizer saved with save_pretrained (the run's ``policy.model_name``)."""
-    from alignpipe.tiny import build_causal_lm, train_char_tokenizer
+    from alignpipe.tiny import build_causal_lm, train_tokenizer
 
-    tokenizer = train_char_tokenizer(["sort:3142 -> 1234", "add:2+3 = 5"])
+    tokenizer = train_tokenizer(["sort:3142 -> 1234", "add:2+3 = 5"], "char")
     model = build_causal_lm(
         tokenizer,
         {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4},

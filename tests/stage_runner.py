@@ -5,9 +5,9 @@ Every stage process spends about 7 s of CPU importing those before its first ste
 suite runs more than a hundred (benchmarks/RESULTS.md, "stop 49"). ``run`` hands a stage run to
 a server process (per test worker, started on first use) that has done those imports with
 the environment a stage process has when it does them (``set_offline_env``, ``set_cpu_env``,
-the console's ``QUIET_ENV``, ``skip_unused_libraries``): one server for the stages that keep
-scikit-learn and SciPy out, one with them and lm-eval for those that do not
-(``USE_SCIENTIFIC_STACK``, benchmark). The server forks (tests/fork_server.py); the child
+the console's ``QUIET_ENV``, ``skip_transformers_optional_imports``): one server for the
+stages that need no lm-eval, one with lm-eval preloaded for those that do (``LM_EVAL_STAGES``,
+benchmark). The server forks (tests/fork_server.py); the child
 takes the run's directory, environment, argv and output files and calls ``alignpipe.cli.main``:
 the same code from the command line on, in a process of its own.
 
@@ -50,6 +50,7 @@ from tests.fork_server import FRESH
 
 REPO = Path(__file__).resolve().parents[1]
 FLAVOURS = ("lean", "scientific")
+LM_EVAL_STAGES = frozenset({"benchmark"})  # served by the "scientific" runner, lm-eval preloaded
 _servers: dict[str, fork_server.Server] = {}  # by flavour
 _shim: list[Path] = []  # the folder of this worker's stage_shim script, once written
 _lock = threading.Lock()
@@ -169,9 +170,7 @@ def _shim_dir() -> Path:
 
 
 def _scientific_stages() -> frozenset[str]:
-    from alignpipe.engines.local.stages import USE_SCIENTIFIC_STACK
-
-    return USE_SCIENTIFIC_STACK
+    return LM_EVAL_STAGES
 
 
 def _stage(argv: list[str]) -> str:
@@ -190,14 +189,13 @@ def _preload(flavour: str) -> None:
     them in (alignpipe.stage.run_stage)."""
     from alignpipe.console import QUIET_ENV
     from alignpipe.context import set_cpu_env, set_offline_env
-    from alignpipe.engines.local.stages import skip_unused_libraries
+    from alignpipe.engines.local.stages import skip_transformers_optional_imports
 
     set_offline_env()
     set_cpu_env()
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
-    if flavour == "lean":
-        skip_unused_libraries("sft")
+    skip_transformers_optional_imports()
 
     import datasets  # noqa: F401
     import peft  # noqa: F401

@@ -113,13 +113,13 @@ def too_long(n: int) -> str:
 
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory) -> dict[str, Path]:
-    from alignpipe.tiny import train_char_tokenizer
+    from alignpipe.tiny import train_tokenizer
     from tests.smollm2 import build
 
     tiny = tmp_path_factory.mktemp("tiny-tokenizer")
-    train_char_tokenizer(["".join(chr(c) for c in range(32, 127))]).save_pretrained(tiny)
+    train_tokenizer(["".join(chr(c) for c in range(32, 127))], "char").save_pretrained(tiny)
     tools = tmp_path_factory.mktemp("tools-tokenizer")
-    tokenizer = train_char_tokenizer(["".join(chr(c) for c in range(32, 127)) + "\n"])
+    tokenizer = train_tokenizer(["".join(chr(c) for c in range(32, 127)) + "\n"], "char")
     tokenizer.chat_template = TOOLS_TEMPLATE
     tokenizer.save_pretrained(tools)
     return {"tiny": tiny, "small": build(), "tools": tools}

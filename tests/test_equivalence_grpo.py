@@ -160,10 +160,10 @@ LOSS_VARIANTS = {
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory) -> Path:
     """A saved tiny Llama: TRL loads its reference copy from the policy's path, as in a stage."""
-    from alignpipe.tiny import build_causal_lm, train_char_tokenizer
+    from alignpipe.tiny import build_causal_lm, train_tokenizer
 
     where = tmp_path_factory.mktemp("policy")
-    tokenizer = train_char_tokenizer(["0123456789 sort add reverse: abcdefghijklmnopqrstuvwxyz"])
+    tokenizer = train_tokenizer(["0123456789 sort add reverse: abcdefghijklmnopqrstuvwxyz"], "char")
     dims = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
     build_causal_lm(tokenizer, dims, seed=0).save_pretrained(where)
     tokenizer.save_pretrained(where)

@@ -28,9 +28,9 @@ VARIANTS = {  # dpo knobs over the rendered tiny section
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[Path, Path]:
     """Two different tiny Llamas (policy, reference) sharing a tokenizer."""
-    from alignpipe.tiny import build_causal_lm, train_char_tokenizer
+    from alignpipe.tiny import build_causal_lm, train_tokenizer
 
-    tokenizer = train_char_tokenizer(["".join(chr(c) for c in range(32, 127))])
+    tokenizer = train_tokenizer(["".join(chr(c) for c in range(32, 127))], "char")
     dims = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
     out = []
     for seed in (0, 1):

@@ -56,11 +56,11 @@ PROFILES = ("tiny", "small", "default")
 def tokenizers(tmp_path_factory) -> dict[str, Path]:
     """The tiny profile's kind of tokenizer (char-level) and the small profile's (SmolLM2's);
     the default profile's 1B model is not here, so it is checked with SmolLM2's."""
-    from alignpipe.tiny import train_char_tokenizer
+    from alignpipe.tiny import train_tokenizer
     from tests.smollm2 import build
 
     tiny = tmp_path_factory.mktemp("tokenizer")
-    train_char_tokenizer(["".join(chr(c) for c in range(32, 127))]).save_pretrained(tiny)
+    train_tokenizer(["".join(chr(c) for c in range(32, 127))], "char").save_pretrained(tiny)
     return {"tiny": tiny, "small": build(), "default": build()}
 
 

@@ -16,9 +16,9 @@ MICRO, STEPS = 4, 3  # rows per micro-batch, micro-batches per optimizer step
 
 @pytest.fixture(scope="module")
 def reward_model_dir(tmp_path_factory) -> Path:
-    from alignpipe.tiny import build_causal_lm, train_char_tokenizer
+    from alignpipe.tiny import build_causal_lm, train_tokenizer
 
-    tokenizer = train_char_tokenizer(["0123456789 abcdefghij"])
+    tokenizer = train_tokenizer(["0123456789 abcdefghij"], "char")
     dims = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
     out = tmp_path_factory.mktemp("rm") / "model"
     build_causal_lm(tokenizer, dims, seed=3).save_pretrained(out)

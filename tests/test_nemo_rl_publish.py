@@ -53,7 +53,7 @@ def tiny_hf(directory: Path) -> tuple[Path, Path]:
     from alignpipe import tiny
 
     texts = [p + a for p, a in PROMPTS]
-    tok = tiny.train_char_tokenizer(texts)
+    tok = tiny.train_tokenizer(texts, "char")
     model = tiny.build_causal_lm(
         tok,
         {

@@ -105,7 +105,7 @@ def tiny_instruct(tmp_path: Path) -> Path:
     plus a .bin copy of the weights that base must not take."""
     from alignpipe import tiny
 
-    tokenizer = tiny.train_char_tokenizer(["What is 2+2? 4. The answer is \\boxed{4}."])
+    tokenizer = tiny.train_tokenizer(["What is 2+2? 4. The answer is \\boxed{4}."], "char")
     cfg = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
     model = tiny.build_causal_lm(tokenizer, cfg, seed=0)
     out = tmp_path / "upstream"

@@ -43,9 +43,9 @@ def test_the_file_is_read_as_nemo_rl_does_and_must_live_under_prompts(tmp_path: 
 
 
 def test_every_training_format_starts_with_the_system_turn():
-    from alignpipe.tiny import train_char_tokenizer
+    from alignpipe.tiny import train_tokenizer
 
-    tokenizer = train_char_tokenizer(["".join(chr(c) for c in range(32, 127))])
+    tokenizer = train_tokenizer(["".join(chr(c) for c in range(32, 127))], "char")
     cfg = {"data": {"max_input_seq_length": 200, "add_bos": False}}
     qa = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     (row,) = sft_examples(tokenizer, [{"messages": qa}], cfg, SYSTEM)

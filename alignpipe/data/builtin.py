@@ -1,6 +1,6 @@
 """Builtin tiny tasks: algorithmic prompts with verifiable answers, deterministic from a seed.
 
-Shapes (one token per character for the tiny char-level Llama; prompts are the raw user turn):
+Shapes (for the tiny Llama, whose tokenizer reads a digit or a word as one token; prompts are the raw user turn):
 
 * ``sort:52813``   -> ``12358``  (digits ascending), verifier ``exact``
 * ``reverse:5281`` -> ``1825``, verifier ``exact``

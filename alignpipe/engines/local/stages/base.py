@@ -18,17 +18,22 @@ from alignpipe.context import StageContext, lift_offline_env
 from alignpipe.engines.local import publish
 from alignpipe.errors import ConfigError
 
+# A prepared row's bookkeeping, which no model reads: a hex id would teach the tokenizer words.
+NOT_TEXT = frozenset({"id", "task", "verifier"})
+
 
 def corpus(prepared) -> list[str]:
-    """Every string in the prepared JSONL files: the tokenizer must cover all of them."""
+    """Every string a model may read in the prepared JSONL files (not a row's bookkeeping,
+    ``NOT_TEXT``): the tokenizer must cover all of them."""
     texts: list[str] = []
 
-    def walk(value) -> None:
+    def walk(value, top: bool = False) -> None:
         if isinstance(value, str):
             texts.append(value)
         elif isinstance(value, dict):
-            for v in value.values():
-                walk(v)
+            for k, v in value.items():
+                if not (top and k in NOT_TEXT):
+                    walk(v)
         elif isinstance(value, list):
             for v in value:
                 walk(v)
@@ -36,7 +41,7 @@ def corpus(prepared) -> list[str]:
     for path in sorted(prepared.rglob("*.jsonl")):
         with path.open() as f:
             for line in f:
-                walk(json.loads(line))
+                walk(json.loads(line), top=True)
     return texts
 
 
@@ -97,7 +102,13 @@ def build_tiny(ctx: StageContext) -> None:
     texts = corpus(ctx.input("data"))
     if not texts:
         raise SystemExit(f"no text found under {ctx.input('data')}; run the prep stage first")
-    tokenizer = tiny.train_char_tokenizer(texts, min_frequency=cfg["tokenizer"].get("min_frequency", 1))
+    kind = cfg["tokenizer"]["kind"]
+    if kind not in tiny.TOKENIZER_KINDS:
+        raise ConfigError(
+            f"stages/base/config/{ctx.profile}.yaml: tokenizer.kind {kind!r} is not one of "
+            f"{', '.join(sorted(tiny.TOKENIZER_KINDS))}"
+        )
+    tokenizer = tiny.train_tokenizer(texts, kind, min_frequency=cfg["tokenizer"]["min_frequency"])
     model = tiny.build_causal_lm(tokenizer, cfg["model"], seed=ctx.seed)
     publish.publish_model(
         ctx,
