@@ -23,7 +23,7 @@ export PYTHONHASHSEED := 0
 PYTEST_ARGS ?=
 # Test workers (pytest-xdist), one per core: most of a test's time is one stage process that
 # keeps one core busy (imports, small tensors), so on 2 cores two workers took 42 min where
-# one process took 61 (benchmarks/RESULTS.md). TEST_WORKERS=0 runs the suite in one process.
+# one process took 61 (DEVELOPING.md, "Test suite speed"). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= auto
 # Workers take whole groups in the order tests/conftest.py's schedule_order gives (longest first).
 XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder

@@ -343,8 +343,8 @@ def ray_head(**env_overrides: str) -> Iterator[RayCluster]:
 
 
 # Per module, not per session: an idle head (GCS, raylet, dashboard) keeps about a tenth of a
-# core busy, which over the rest of a session was ~130 s of the suite's CPU (benchmarks/RESULTS.md,
-# "stop 49"). Its one user is tests/test_ray.py.
+# core busy, which over the rest of a session was ~130 s of the suite's CPU (DEVELOPING.md,
+# "Test suite speed"). Its one user is tests/test_ray.py.
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayCluster]:
     # A loopback test cluster without token auth: Ray >= 2.60 turns it on for a new head

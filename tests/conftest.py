@@ -248,7 +248,7 @@ FAST_SFT = {"sft": {"sft": {"max_num_steps": 40}}}
 SINGLE_TURN = {"prep": {"builtin": {"tasks": {"chat": {"weight": 0}}}}}
 # One torch thread per stage process in the shared trainer fixtures, not the profile's two: two
 # test workers on two cores run two stages at once, and four threads on two cores cost every
-# tiny stage 15-20% more CPU (benchmarks/RESULTS.md, "stop 47"). The count is a setting like the
+# tiny stage 15-20% more CPU (DEVELOPING.md, "Test suite speed"). The count is a setting like the
 # step counts above; results stay byte-reproducible at either. The committed pipeline keeps 2.
 ONE_THREAD = {stage: {"alignpipe": {"torch_threads": 1}}
               for stage in ("sft", "rm", "dpo", "rlvr", "rlhf", "convert", "benchmark", "evaluate")}  # fmt: skip

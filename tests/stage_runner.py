@@ -2,7 +2,7 @@
 transformers, TRL and datasets, instead of exec'd afresh.
 
 Every stage process spends about 7 s of CPU importing those before its first step, and the
-suite runs more than a hundred (benchmarks/RESULTS.md, "stop 49"). ``run`` hands a stage run to
+suite runs more than a hundred (DEVELOPING.md, "Test suite speed"). ``run`` hands a stage run to
 a server process (per test worker, started on first use) that has done those imports with
 the environment a stage process has when it does them (``set_offline_env``, ``set_cpu_env``,
 the console's ``QUIET_ENV``, ``skip_transformers_optional_imports``): one server for the
