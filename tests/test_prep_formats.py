@@ -160,6 +160,46 @@ def test_tool_calling_conversations_go_to_sft_in_the_shape_templates_read(tmp_pa
     assert "tools" not in rows["Hi"]
 
 
+def test_glaive_function_calls_become_openai_tool_turns_for_sft(tmp_path):
+    """ShareGPT with ``function_call``/``observation`` turns and a ``tools`` JSON string (glaive,
+    LLaMA-Factory, Axolotl): calls become assistant ``tool_calls`` with object arguments, results
+    ``tool`` turns, the tools their list."""
+    rows = {
+        next(m for m in r["messages"] if m["role"] == "user")["content"]: r
+        for r in rows_of(tmp_path, "sft", path="glaive.jsonl", format="sharegpt")
+    }
+    weather = rows["Weather in Paris?"]["messages"]
+    assert weather == [
+        S("You can call functions."),
+        U("Weather in Paris?"),
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": '{"temp_c": 18}'},
+        A("It is 18 degrees in Paris."),
+    ]  # fmt: skip
+    assert [t["name"] for t in rows["Weather in Paris?"]["tools"]] == ["get_weather", "calc"]
+    parallel = rows["What are 2+3 and 4*5?"]["messages"][-1]  # ends with the calls the model learns
+    assert [c["function"]["arguments"] for c in parallel["tool_calls"]] == [{"expr": "2+3"}, {"expr": "4*5"}]
+    assert "tools" not in rows["Hi"]
+
+
+def test_glaive_rows_tokenise_for_the_sft_stage_with_a_template_that_renders_tools(tmp_path):
+    from alignpipe.engines.local.stages.sft import sft_examples
+    from alignpipe.tiny import train_tokenizer
+    from tests.test_equivalence_data import TOOLS_TEMPLATE
+
+    rows = rows_of(tmp_path, "sft", path="glaive.jsonl", format="sharegpt")
+    tokenizer = train_tokenizer(["".join(chr(c) for c in range(32, 127))], "char")
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    cfg = {"data": {"max_input_seq_length": 4096, "add_bos": False, "add_eos": True}}
+    examples = sft_examples(tokenizer, rows, cfg, where="glaive.jsonl")
+    call = next(e for r, e in zip(rows, examples, strict=True) if "4*5" in json.dumps(r["messages"]))
+    trained = tokenizer.decode(
+        [t for t, m in zip(call["input_ids"], call["completion_mask"], strict=True) if m]
+    )
+    assert '<call>calc {"expr": "2+3"}</call>' in trained and "Tools:" not in trained
+
+
 @pytest.mark.parametrize(
     "family,source,line,field,words",
     [
@@ -174,6 +214,10 @@ def test_tool_calling_conversations_go_to_sft_in_the_shape_templates_read(tmp_pa
          "messages[1].tool_calls[0].function.arguments", "is not JSON"),
         ("rlvr", {"path": "tool_calls.jsonl", "format": "messages", "verifier": "exact"}, 1, "messages[1]",
          "tool-call conversations feed the sft family only"),
+        ("sft", {"path": "glaive_bad.jsonl", "format": "sharegpt"}, 2, "conversations[1].value",
+         "a function_call must be JSON {name, arguments}"),
+        ("rlvr", {"path": "glaive.jsonl", "format": "sharegpt", "verifier": "exact"}, 1,
+         "conversations[1].from", "tool-call conversations feed the sft family only"),
     ],
 )  # fmt: skip
 def test_malformed_records_are_named(tmp_path, family, source, line, field, words):

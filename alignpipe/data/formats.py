@@ -17,7 +17,10 @@ and the community formats (data-formats conventions of LLaMA-Factory, Axolotl an
 
 * ``sharegpt`` (``conversations`` of ``{from, value}`` turns; ``human``/``user``, ``gpt``/
   ``assistant``/``model``, ``system``, ``tool``; an optional ``system`` column) -> every family
-  (preference: the conversation ends with the user's turn, ``chosen``/``rejected`` the replies)
+  (preference: the conversation ends with the user's turn, ``chosen``/``rejected`` the replies);
+  for sft also function calling as glaive, LLaMA-Factory and Axolotl write it: ``function_call``
+  turns (JSON ``{name, arguments}``, or a list of them) become assistant ``tool_calls``,
+  ``observation`` turns ``tool`` turns, and the ``tools`` column (a JSON string) the row's tools
 * ``alpaca`` (``instruction``, optional ``input`` joined to it by a newline, ``output``; optional
   ``system`` and ``history`` of earlier ``[instruction, response]`` pairs) -> every family
   (preference: ``chosen``/``rejected`` instead of ``output``)
@@ -62,6 +65,8 @@ SHAREGPT_ROLES = {
     "system": "system",
     "tool": "tool",
 }
+# ShareGPT's function-calling speakers (glaive, LLaMA-Factory, Axolotl): a call and its result.
+SHAREGPT_TOOL_TURNS = ("function_call", "observation")
 # Anthropic HH-RLHF transcripts: each turn opens with one of these markers.
 HH_MARKERS = {"Human": "user", "Assistant": "assistant"}
 ANSWER_FORMATS = ("text", "gsm8k")
@@ -452,8 +457,11 @@ def _helpsteer3(src: dict[str, Any], r: SourceRecord) -> dict[str, Any] | None:
     return {"prompt": prompt, **_pair(r, k2 if pref < 0 else k1, chosen, rejected)}
 
 
-def _sharegpt_turns(src: dict[str, Any], r: SourceRecord) -> tuple[list[dict[str, str]], str]:
-    """A ShareGPT record's ``conversations`` as messages (after its ``system`` column, if any)."""
+def _sharegpt_turns(
+    src: dict[str, Any], r: SourceRecord, tools: bool = False
+) -> tuple[list[dict[str, Any]], str]:
+    """A ShareGPT record's ``conversations`` as messages (after its ``system`` column, if any);
+    with ``tools`` (sft), function calls and their results as OpenAI tool turns."""
     mk, rk, ck = (
         src.get("messages_key", "conversations"),
         src.get("role_key", "from"),
@@ -462,25 +470,59 @@ def _sharegpt_turns(src: dict[str, Any], r: SourceRecord) -> tuple[list[dict[str
     turns = r.get(mk)
     if not isinstance(turns, list) or not turns:
         raise r.fail(mk, f"must be a non-empty list of {{{rk}, {ck}}} turns", "see the ShareGPT format")
-    msgs = [_sharegpt_turn(r, f"{mk}[{j}]", t, rk, ck) for j, t in enumerate(turns)]
+    msgs = [_sharegpt_turn(r, f"{mk}[{j}]", t, rk, ck, tools) for j, t in enumerate(turns)]
     sk = src.get("system_key", "system")
     if r.get(sk, required=False) is not None and msgs[0]["role"] != "system":
         msgs.insert(0, {"role": "system", "content": r.text(sk)})
     return msgs, mk
 
 
-def _sharegpt_turn(r: SourceRecord, where: str, turn: Any, rk: str, ck: str) -> dict[str, str]:
+def _sharegpt_turn(
+    r: SourceRecord, where: str, turn: Any, rk: str, ck: str, tools: bool = False
+) -> dict[str, Any]:
     if not isinstance(turn, dict) or not isinstance(turn.get(rk), str) or not isinstance(turn.get(ck), str):
         raise r.fail(where, f"must be an object with string '{rk}' and '{ck}'", "see the ShareGPT format")
+    if turn[rk] in SHAREGPT_TOOL_TURNS:
+        if not tools:
+            raise r.fail(
+                f"{where}.{rk}",
+                f"is a tool-call turn ('{turn[rk]}'); tool-call conversations feed the sft family only",
+                "use family: sft for function-calling data, or drop the record",
+            )
+        return _sharegpt_tool_turn(r, where, turn[rk], turn[ck], ck)
     role = SHAREGPT_ROLES.get(turn[rk])
     if role is None:
-        known = ", ".join(SHAREGPT_ROLES)
+        known = ", ".join([*SHAREGPT_ROLES, *SHAREGPT_TOOL_TURNS])
         raise r.fail(
             f"{where}.{rk}", f"unknown role '{turn[rk]}'", f"use one of {known} (or rename it with columns)"
         )
     if not turn[ck].strip():
         raise r.fail(f"{where}.{ck}", "is empty", "drop the turn or fill it")
     return {"role": role, "content": turn[ck]}
+
+
+def _sharegpt_tool_turn(r: SourceRecord, where: str, speaker: str, value: str, ck: str) -> dict[str, Any]:
+    """``observation`` -> a tool turn; ``function_call`` (JSON ``{name, arguments}`` or a list of
+    them, ``arguments`` an object or a JSON string) -> an assistant turn calling them."""
+    if speaker == "observation":
+        return r.tool_turn(where, {"role": "tool", "content": value})
+    try:
+        calls = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise r.fail(
+            f"{where}.{ck}",
+            f"a function_call must be JSON {{name, arguments}} ({e.msg})",
+            "store the call as JSON",
+        ) from None
+    calls = calls if isinstance(calls, list) else [calls]
+    return r.tool_turn(
+        f"{where}.{ck}",
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"type": "function", "function": c} for c in calls],
+        },
+    )
 
 
 def _sharegpt_preference(src: dict[str, Any], r: SourceRecord) -> dict[str, Any]:
@@ -590,7 +632,7 @@ def _conversation(
     """A record of a conversation format as (messages ending with the answer, the key that
     names them in errors, the answer's field)."""
     if fmt == "sharegpt":
-        msgs, mk = _sharegpt_turns(src, r)
+        msgs, mk = _sharegpt_turns(src, r, tools=family == "sft")
         return msgs, mk, f"{mk}[{len(msgs) - 1}].{src.get('content_key', 'value')}"
     if fmt == "alpaca":
         ok = src.get("output_key", "output")
@@ -627,7 +669,7 @@ def convert(
         last = msgs[-1]
         if "tool_calls" not in last:  # a conversation may end with the call the model learns to make
             last = {"role": "assistant", "content": final_answer(r, src, last["content"], answer_field)}
-        tools = r.tools(src.get("tools_key", "tools")) if fmt == "messages" else None
+        tools = r.tools(src.get("tools_key", "tools")) if fmt in ("messages", "sharegpt") else None
         return {"task": task, "messages": [*msgs[:-1], last], **({"tools": tools} if tools else {})}
     prompt = r.conversation(key, msgs[:-1])
     return {"task": task, **_rl_fields(r, src, prompt, msgs[-1]["content"], answer_field)}
