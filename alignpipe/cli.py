@@ -113,6 +113,22 @@ def _cmd_params(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_seeds(args: argparse.Namespace) -> int:
+    import json
+
+    from alignpipe.measure import compare as K
+    from alignpipe.measure import seeds as S
+
+    root = C.repo_root()
+    named = [K.resolve(root, name) for name in args.runs]  # every name known before any read
+    runs = [K.read_run(root, n) for n in named]
+    rows = S.pool(runs)
+    print(json.dumps(S.as_json(runs, rows), indent=1) if args.json else S.markdown(runs, rows), end="")
+    if args.json:
+        print()
+    return 0
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     import json
 
@@ -177,6 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("b", metavar="B", nargs="+")
     compare.add_argument("--json", action="store_true", help="print JSON instead of Markdown tables")
     compare.set_defaults(func=_cmd_compare)
+
+    seeds = sub.add_parser(
+        "seeds",
+        help="each policy minus sft in several runs (seeds), and pooled with a 95%% interval over the runs",
+        description="RUNs are git revisions, DVC experiment names or `workspace`, typically `dvc exp run "
+        "-S seed=N` experiments: whether a gain over sft holds from one training run to another.",
+    )
+    seeds.add_argument("runs", metavar="RUN", nargs="+")
+    seeds.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
+    seeds.set_defaults(func=_cmd_seeds)
 
     stages = sub.add_parser("stages", help="list the stages and what they do")
     stages.set_defaults(func=_cmd_stages)

@@ -151,8 +151,8 @@ def compare(a: Run, b: Run) -> tuple[list[Row], list[str]]:
             notes.append(f"{policy}: only in {a.name if policy in a.heldout else b.name}")
             continue
         mine, theirs = a.heldout[policy], b.heldout[policy]
-        _same_prompts(a, b, policy, mine, theirs)
-        rows.append(_paired(policy, "heldout_accuracy", _column(mine, "correct"), _column(theirs, "correct")))
+        same_prompts(a, b, policy, mine, theirs)
+        rows.append(_paired(policy, "heldout_accuracy", column(mine, "correct"), column(theirs, "correct")))
         for task in sorted({s["task"] for s in mine if s.get("task")}):
             pick = [i for i, s in enumerate(mine) if s["task"] == task]
             rows.append(
@@ -164,18 +164,18 @@ def compare(a: Run, b: Run) -> tuple[list[Row], list[str]]:
                 )
             )
         if all(s.get("rm_score") is not None for s in mine + theirs):
-            rows.append(_paired(policy, "rm_score", _column(mine, "rm_score"), _column(theirs, "rm_score")))
+            rows.append(_paired(policy, "rm_score", column(mine, "rm_score"), column(theirs, "rm_score")))
         rows += _benchmark_rows(a, b, policy, notes)
     if a.reward_model != b.reward_model and any(r.figure == "rm_score" for r in rows):
         notes.append("rm_score: each run is scored by its own reward model, and the two differ")
     return rows, notes
 
 
-def _column(rows: list[dict[str, Any]], key: str) -> list[float]:
+def column(rows: list[dict[str, Any]], key: str) -> list[float]:
     return [float(s[key]) for s in rows]
 
 
-def _same_prompts(a: Run, b: Run, policy: str, mine: list[dict], theirs: list[dict]) -> None:
+def same_prompts(a: Run, b: Run, policy: str, mine: list[dict], theirs: list[dict]) -> None:
     ids = [(s["id"], s["prompt"]) for s in mine]
     other = [(s["id"], s["prompt"]) for s in theirs]
     if ids == other:
