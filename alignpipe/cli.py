@@ -123,9 +123,7 @@ def _cmd_seeds(args: argparse.Namespace) -> int:
     named = [K.resolve(root, name) for name in args.runs]  # every name known before any read
     runs = [K.read_run(root, n) for n in named]
     rows = S.pool(runs)
-    print(json.dumps(S.as_json(runs, rows), indent=1) if args.json else S.markdown(runs, rows), end="")
-    if args.json:
-        print()
+    print(json.dumps(S.as_json(runs, rows), indent=1) if args.json else S.markdown(runs, rows).rstrip("\n"))
     return 0
 
 

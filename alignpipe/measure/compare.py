@@ -152,23 +152,26 @@ def compare(a: Run, b: Run) -> tuple[list[Row], list[str]]:
             continue
         mine, theirs = a.heldout[policy], b.heldout[policy]
         same_prompts(a, b, policy, mine, theirs)
-        rows.append(_paired(policy, "heldout_accuracy", column(mine, "correct"), column(theirs, "correct")))
-        for task in sorted({s["task"] for s in mine if s.get("task")}):
-            pick = [i for i, s in enumerate(mine) if s["task"] == task]
-            rows.append(
-                _paired(
-                    policy,
-                    f"heldout_accuracy_{task}",
-                    [float(mine[i]["correct"]) for i in pick],
-                    [float(theirs[i]["correct"]) for i in pick],
-                )
-            )
-        if all(s.get("rm_score") is not None for s in mine + theirs):
-            rows.append(_paired(policy, "rm_score", column(mine, "rm_score"), column(theirs, "rm_score")))
+        rows += [_paired(policy, figure, x, y) for figure, x, y in heldout_figures(mine, theirs)]
         rows += _benchmark_rows(a, b, policy, notes)
     if a.reward_model != b.reward_model and any(r.figure == "rm_score" for r in rows):
         notes.append("rm_score: each run is scored by its own reward model, and the two differ")
     return rows, notes
+
+
+def heldout_figures(mine: list[dict[str, Any]], theirs: list[dict[str, Any]]):
+    """(figure, mine, theirs) per held-out figure of two policies' samples on the same prompts:
+    accuracy, accuracy per task, and the RM score where both have one."""
+    yield "heldout_accuracy", column(mine, "correct"), column(theirs, "correct")
+    for task in sorted({s["task"] for s in mine if s.get("task")}):
+        pick = [i for i, s in enumerate(mine) if s["task"] == task]
+        yield (
+            f"heldout_accuracy_{task}",
+            [float(mine[i]["correct"]) for i in pick],
+            [float(theirs[i]["correct"]) for i in pick],
+        )
+    if all(s.get("rm_score") is not None for s in mine + theirs):
+        yield "rm_score", column(mine, "rm_score"), column(theirs, "rm_score")
 
 
 def column(rows: list[dict[str, Any]], key: str) -> list[float]:

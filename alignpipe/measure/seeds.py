@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from alignpipe.measure.compare import CompareError, Run, column, same_prompts
+from alignpipe.measure.compare import CompareError, Run, heldout_figures, same_prompts
 from alignpipe.measure.intervals import Z95, above, below, paired_difference
 
 REFERENCE = "sft"
@@ -71,25 +71,12 @@ def pool(runs: list[Run], reference: str = REFERENCE) -> list[SeedRow]:
         for run in runs:
             mine, ref = run.heldout[policy], run.heldout[reference]
             same_prompts(run, run, policy, ref, mine)  # within a run: every policy, the same prompts
-            for figure, values, base in _figures(mine, ref):
+            for figure, values, base in heldout_figures(mine, ref):
                 figures.setdefault(figure, []).append(paired_difference(values, base))
         for figure, per_run in figures.items():
             if len(per_run) == len(runs):
                 rows.append(SeedRow(policy, figure, per_run, across_runs([d["value"] for d in per_run])))
     return rows
-
-
-def _figures(mine: list[dict[str, Any]], ref: list[dict[str, Any]]):
-    yield "heldout_accuracy", column(mine, "correct"), column(ref, "correct")
-    for task in sorted({s["task"] for s in mine if s.get("task")}):
-        pick = [i for i, s in enumerate(mine) if s["task"] == task]
-        yield (
-            f"heldout_accuracy_{task}",
-            [float(mine[i]["correct"]) for i in pick],
-            [float(ref[i]["correct"]) for i in pick],
-        )
-    if all(s.get("rm_score") is not None for s in mine + ref):
-        yield "rm_score", column(mine, "rm_score"), column(ref, "rm_score")
 
 
 def _cell(d: dict[str, float]) -> str:
