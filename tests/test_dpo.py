@@ -132,16 +132,16 @@ def test_nemo_rl_loss_keys_map_to_trl_loss_types():
     assert mixed["sft"] == {"weight": 0.3, "average": False}  # summed per response, as NeMo-RL allows
 
 
-def test_sft_term_is_a_mean_over_responses_not_over_pooled_tokens():
+def test_chosen_nll_is_a_mean_over_responses_not_over_pooled_tokens():
     """NeMo-RL averages each chosen response's NLL, then the responses; TRL's "sft" pools the
     batch's tokens, which weighs a long response more. By hand, on two responses of 1 and 3 tokens."""
     import torch
 
-    from alignpipe.engines.local.stages.dpo import sft_term
+    from alignpipe.rl.preference import chosen_nll
 
     logps = torch.tensor([[-1.0, 0.0, 0.0], [-2.0, -2.0, -2.0], [-9.0, -9.0, -9.0], [-9.0, -9.0, -9.0]])
     mask = torch.tensor([[1, 0, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]])  # [chosen, chosen, rejected, rejected]
-    assert sft_term(logps, mask, average=True).item() == pytest.approx((1.0 + 2.0) / 2)
-    assert sft_term(logps, mask, average=False).item() == pytest.approx((1.0 + 6.0) / 2)
+    assert chosen_nll(logps, mask, average=True).item() == pytest.approx((1.0 + 2.0) / 2)
+    assert chosen_nll(logps, mask, average=False).item() == pytest.approx((1.0 + 6.0) / 2)
     pooled = (1.0 + 6.0) / 4  # what TRL's sft loss type would give
-    assert sft_term(logps, mask, average=True).item() != pytest.approx(pooled)
+    assert chosen_nll(logps, mask, average=True).item() != pytest.approx(pooled)

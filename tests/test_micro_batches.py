@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from alignpipe.engines.local.micro_batches import length_sorted_micro_batches
+from alignpipe.engines.local.micro_batches import length_sorted
 
 MICRO, STEPS = 4, 3  # rows per micro-batch, micro-batches per optimizer step
 
@@ -48,10 +48,9 @@ def trainer(model_dir: Path, tmp: Path, *, sorted_: bool):
     args = RewardConfig(output_dir=str(tmp), per_device_train_batch_size=MICRO, gradient_accumulation_steps=STEPS,
                         seed=5, data_seed=5, max_steps=4, use_cpu=True, report_to=[], disable_dropout=True)  # fmt: skip
     set_seed(5)  # the score head is initialised randomly: the same head for both orders
-    made = RewardTrainer(model=load_reward_model(str(model_dir), tokenizer), args=args,
+    cls = length_sorted(RewardTrainer, lambda row: max(len(row["chosen_ids"]), len(row["rejected_ids"])))
+    made = (cls if sorted_ else RewardTrainer)(model=load_reward_model(str(model_dir), tokenizer), args=args,
                          train_dataset=Dataset.from_list(pairs()), processing_class=tokenizer)  # fmt: skip
-    if sorted_:
-        length_sorted_micro_batches(made, lambda row: max(len(row["chosen_ids"]), len(row["rejected_ids"])))
     return made
 
 

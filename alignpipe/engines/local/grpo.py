@@ -30,6 +30,7 @@ from alignpipe.engines.local import live_log, lora
 from alignpipe.engines.local.checkpoints import publish_trained, train_resumable
 from alignpipe.engines.local.torch_threads import apply_torch_threads
 from alignpipe.engines.local.trl_args import refuse_gpu_only_settings, trl_common_args
+from alignpipe.engines.local.trl_seams import Seams
 from alignpipe.errors import ConfigError, NoLearningSignal, UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.generation import generate, prompt_messages
@@ -43,7 +44,6 @@ from alignpipe.measure.heldout import (
 from alignpipe.measure.logprobs import LOCAL_DTYPE, kl_to_reference, load_policy
 from alignpipe.measure.metrics import local_keys
 from alignpipe.rewards.verifiers import ROW_FIELDS
-from alignpipe.rl.kl import reference_kl
 from alignpipe.rl.shaping import scale_reward
 from alignpipe.timing import record_timing
 
@@ -247,14 +247,49 @@ def kl_settings(cfg: dict[str, Any]) -> dict[str, float | None]:
     }
 
 
+# What AlignGRPOTrainer overrides and calls of TRL's GRPOTrainer (trl_seams.py).
+GRPO_SEAMS = Seams(
+    overrides={
+        "_generate_and_score_completions": ("self", "inputs"),
+        "_compute_loss": ("self", "model", "inputs"),
+    },
+    calls={
+        "_get_per_token_logps_and_entropies": (
+            "model",
+            "input_ids",
+            "attention_mask",
+            "logits_to_keep",
+            "compute_entropy",
+        ),
+        "_prepare_inputs": ("generation_batch",),
+    },
+)
+
+# TRL options that change GRPOTrainer's loss, at the values the owned loss (AlignGRPOTrainer
+# ._compute_loss) assumes: grpo_args never sets them, so a change here is a TRL default that moved.
+_LOSS_DEFAULTS = {
+    "top_entropy_quantile": 1.0,
+    "off_policy_mask_threshold": None,
+    "delta": None,
+    "entropy_coef": 0.0,
+    "use_adaptive_entropy": False,
+    "use_vllm": False,
+    "loss_type": ("dapo", "grpo"),
+}
+
+
 def make_trainer_class():
     """Built lazily so importing this module does not import TRL."""
     import torch
     from transformers import Trainer
     from trl import GRPOTrainer
 
+    from alignpipe.engines.local.trl_seams import check_seams
     from alignpipe.measure.intervals import wilson
     from alignpipe.rl.advantages import step_advantages
+    from alignpipe.rl.policy_gradient import grpo_loss
+
+    check_seams(GRPOTrainer, GRPO_SEAMS)
 
     class ValidationInterval(Trainer):
         """Validation accuracy with its 95% Wilson interval over the answers it scored. Sits
@@ -269,7 +304,10 @@ def make_trainer_class():
             return super().log(logs, *args, **kwargs)
 
     class AlignGRPOTrainer(GRPOTrainer, ValidationInterval):
-        """GRPOTrainer whose advantages follow NeMo-RL v0.7.0 (leave-one-out baseline optional)."""
+        """TRL's GRPOTrainer for rollouts, reference log-probs and bookkeeping; NeMo-RL v0.7.0's
+        advantages and loss, computed by ``alignpipe.rl``. Two seams, both TRL private methods
+        (``GRPO_SEAMS``, checked against TRL's signatures when the class is built):
+        ``_generate_and_score_completions`` (the advantages) and ``_compute_loss`` (the loss)."""
 
         def __init__(
             self,
@@ -279,10 +317,21 @@ def make_trainer_class():
             **kwargs,
         ):
             super().__init__(*args, **kwargs)
+            moved = {
+                k: getattr(self.args, k, None)
+                for k, v in _LOSS_DEFAULTS.items()
+                if getattr(self.args, k, None) not in (v if isinstance(v, tuple) else (v,))
+            }
+            if moved:
+                raise UnsupportedSetting(
+                    f"GRPOConfig sets {moved}: the local GRPO loss does not implement them"
+                )
             self.advantage_settings = advantage_settings  # see advantage_settings()
             self.kl_settings = kl_settings or {}  # see kl_settings()
 
         def _generate_and_score_completions(self, inputs):
+            """Seam 1: TRL's rollout and scoring, then the advantages recomputed by
+            :func:`step_advantages` from the rewards the stage's reward function returned."""
             output = super()._generate_and_score_completions(inputs)
             reward_fn = self.reward_funcs[0]
             rewards = torch.tensor(reward_fn.last, dtype=torch.float32)
@@ -312,51 +361,65 @@ def make_trainer_class():
 
         def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
             """A validation batch is generated and scored, as NeMo-RL's validate() does, and that
-            is all: TRL's own step also computed the reference's and the policy's log-probs for a
-            loss no validation metric reports (two forward passes, most of a pass's cost)."""
-            beta, self.beta = self.beta, 0.0  # TRL computes reference log-probs when beta != 0
-            try:
-                self._prepare_inputs(inputs)  # eval mode: generates, scores, records the metrics
-            finally:
-                self.beta = beta
+            is all: no validation metric reports a loss, so none is computed."""
+            self._prepare_inputs(inputs)  # eval mode: generates, scores, records the metrics
             return None, None, None
 
         def _compute_loss(self, model, inputs):
-            """TRL's clipped policy-gradient loss without its KL term, plus NeMo-RL's KL term
-            (:func:`reference_kl`: clamped, on-policy weighted), reduced as TRL reduces the rest."""
-            beta = self.beta
-            if beta == 0.0:
-                return super()._compute_loss(model, inputs)
-            seen = {}
-            policy_logps = self._get_per_token_logps_and_entropies
-
-            def keep_logps(*args, **kwargs):
-                out = policy_logps(*args, **kwargs)
-                seen["logps"] = out[0]
-                return out
-
-            self.beta, self._get_per_token_logps_and_entropies = 0.0, keep_logps
-            try:
-                loss = super()._compute_loss(model, inputs)
-            finally:
-                self.beta = beta
-                del self._get_per_token_logps_and_entropies
-            kl = reference_kl(seen["logps"], inputs["ref_per_token_logps"], **self.kl_settings)
-            mask = inputs["completion_mask"]
+            """Seam 2: :func:`alignpipe.rl.policy_gradient.grpo_loss` on the policy's log-probs
+            (TRL's fused head), reduced over the tokens the policy wrote (a ``tool_mask`` from
+            TRL's tool loop leaves tool results out), and the metrics TRL's own loss logs."""
+            completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"]
+            if "tool_mask" in inputs:
+                mask = mask * inputs["tool_mask"]
+            logps, entropies, _ = self._get_per_token_logps_and_entropies(
+                model,
+                torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
+                torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+                completion_ids.size(1),
+                compute_entropy=True,
+            )
+            old = inputs.get("old_per_token_logps")  # None when every step is on-policy
             mode = "train" if self.model.training else "eval"
             accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-            if self.loss_type == "dapo":  # token mean over the generation batch (token_level_loss)
+            token_level = self.loss_type == "dapo"
+            if token_level:  # the generation batch's token count, scaled to this micro-batch
                 normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
                 if mode == "train":
                     normalizer = normalizer * accumulation / self.args.steps_per_generation
-                term = (kl * mask).sum() / normalizer
-            else:  # "grpo": token mean per sequence, then the mean over sequences
-                term = ((kl * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
-            tokens = self.accelerator.reduce(
-                torch.stack([(kl * mask).sum(), mask.sum().float()]), reduction="sum"
+            else:
+                normalizer = accumulation
+            clip = (self.epsilon_low, self.epsilon_high)
+            out = grpo_loss(
+                logps,
+                logps.detach() if old is None else old,
+                inputs["advantages"],
+                mask,
+                clip_low=clip[0],
+                clip_high=clip[1],
+                sequence_level=self.importance_sampling_level == "sequence",
+                token_level=token_level,
+                normalizer=normalizer,
+                kl_penalty=self.beta,
+                ref_logps=inputs.get("ref_per_token_logps"),
+                kl_input_clamp=self.kl_settings.get("input_clamp", 20.0),
+                kl_output_clamp=self.kl_settings.get("output_clamp", 10.0),
             )
-            self._metrics[mode]["kl"].append((tokens[0] / tokens[1].clamp(min=1.0)).item())
-            return loss + beta * term
+
+            def global_mean(x):  # over the tokens (or, [B, 1], the sequences) of every process
+                if x.shape != mask.shape:  # one value per sequence
+                    local = torch.stack([x.sum(), torch.tensor(float(x.shape[0]), device=x.device)])
+                else:
+                    local = torch.stack([(x * mask).sum(), mask.sum().float()])
+                totals = self.accelerator.reduce(local, reduction="sum")
+                return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+            if out.kl is not None:
+                self._metrics[mode]["kl"].append(global_mean(out.kl))
+            self._metrics[mode]["entropy"].append(global_mean(entropies))
+            clipped = out.clipped(inputs["advantages"], *clip).float()
+            self._metrics[mode]["clip_ratio/region_mean"].append(global_mean(clipped))
+            return out.loss
 
     return AlignGRPOTrainer
 

@@ -14,7 +14,7 @@ NeMo-RL ``dpo.yaml`` key -> TRL (see also ``trl_args.trl_common_args``):
 | dpo.preference_average_log_probs: false       | loss_type ``sigmoid`` (summed log-prob ratios)                |
 | dpo.preference_average_log_probs: true        | loss_type ``sigmoid_norm`` (ratios divided by response tokens) |
 | dpo.preference_loss_weight                    | loss_weights[0]                                              |
-| dpo.sft_loss_weight, dpo.sft_average_log_probs | ``sft_term`` (per response, then the mean; TRL's ``sft`` pools tokens) |
+| dpo.sft_loss_weight, dpo.sft_average_log_probs | ``chosen_nll`` (per response, then the mean; TRL's ``sft`` pools tokens) |
 | dpo.max_num_steps, dpo.max_num_epochs         | max_steps = min(steps, epochs x steps/epoch)                 |
 | dpo.val_period, val_at_start, val_at_end      | our validation callback (``preference_metrics``)              |
 | dpo.val_batches x val_global_batch_size       | validation pairs scored (-1: all)                            |
@@ -37,10 +37,11 @@ from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, lora
 from alignpipe.engines.local.checkpoints import publish_trained, train_then_validate
-from alignpipe.engines.local.micro_batches import length_sorted_micro_batches
+from alignpipe.engines.local.micro_batches import length_sorted
 from alignpipe.engines.local.preference_pairs import preference_splits
 from alignpipe.engines.local.torch_threads import apply_torch_threads
 from alignpipe.engines.local.trl_args import refuse_gpu_only_settings, step_budget, trl_common_args
+from alignpipe.engines.local.trl_seams import Seams
 from alignpipe.errors import UnsupportedSetting
 from alignpipe.measure.heldout import headline, log_heldout, sample_heldout, samples_file
 from alignpipe.measure.logprobs import LOCAL_DTYPE
@@ -69,18 +70,6 @@ def loss_settings(ctx: StageContext) -> dict[str, Any]:
     }
 
 
-def sft_term(per_token_logps, shift_completion_mask, average: bool):
-    """NeMo-RL's DPO SFT term (``DPOLossFn`` with ``NLLLossFn(dpo_loss=True)``): each chosen
-    response's NLL, summed over its tokens or averaged (``sft_average_log_probs``), then the mean
-    over chosen responses. Rows are [chosen..., rejected...]."""
-    chosen, _ = per_token_logps.chunk(2, dim=0)
-    mask, _ = shift_completion_mask.chunk(2, dim=0)
-    nll = -(chosen * mask).sum(-1)
-    if average:
-        nll = nll / mask.sum(-1).clamp(min=1)
-    return nll.mean()
-
-
 def pair_tensors(tokenizer, pairs: list[dict[str, Any]]):
     """Padded [chosen..., rejected...] batch of tokenised pairs (``preference_pairs.preference_examples``)
     with the mask of the response tokens NeMo-RL's DPO loss counts."""
@@ -96,17 +85,53 @@ def pair_tensors(tokenizer, pairs: list[dict[str, Any]]):
     return ids, attention, response
 
 
+# What TokenizedDPOTrainer overrides and calls of TRL's DPOTrainer (engines/local/trl_seams.py).
+DPO_SEAMS = Seams(
+    overrides={
+        "_prepare_dataset": ("self", "dataset", "processing_class", "args", "dataset_name"),
+        "_compute_loss": ("self", "model", "inputs", "return_outputs"),
+    },
+    calls={"compute_ref_log_probs": ("model", "inputs")},
+)
+
+# DPOConfig options that change TRL's DPO loss, at the values the owned loss assumes (loss_settings
+# and run() never set them: a change here is a TRL default that moved).
+_LOSS_DEFAULTS = {
+    "ld_alpha": None,
+    "f_divergence_type": ("reverse_kl",),
+    "use_weighting": False,
+    "precompute_ref_log_probs": False,
+}
+# Batch entries that are not model inputs.
+_NOT_MODEL_INPUTS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
+
+
 def make_trainer_class():
     """Built lazily so importing this module does not import TRL."""
     from trl import DPOTrainer
 
+    from alignpipe.engines.local.trl_seams import check_seams
+    from alignpipe.rl.preference import chosen_nll, dpo_loss
+
+    check_seams(DPOTrainer, DPO_SEAMS)
+
     class TokenizedDPOTrainer(DPOTrainer):
-        """DPOTrainer over pairs tokenised as NeMo-RL tokenises them (:func:`trl_pairs`), plus
-        NeMo-RL's SFT term (:func:`sft_term`). TRL 1.16 re-tokenises every dataset itself; rows
-        that already carry ``prompt_ids`` pass through."""
+        """DPOTrainer over pairs tokenised as NeMo-RL tokenises them (:func:`trl_pairs`), with
+        NeMo-RL's DPO loss computed by ``alignpipe.rl.preference``. Two seams (``DPO_SEAMS``):
+        ``_prepare_dataset`` (rows that already carry ``prompt_ids`` pass through; TRL 1.16
+        re-tokenises every dataset itself) and ``_compute_loss``."""
 
         def __init__(self, *args, sft: dict[str, Any] | None = None, **kwargs):
             super().__init__(*args, **kwargs)
+            moved = {
+                k: getattr(self.args, k, None)
+                for k, v in _LOSS_DEFAULTS.items()
+                if getattr(self.args, k, None) not in (v if isinstance(v, tuple) else (v,))
+            }
+            if moved or not set(self.loss_types) <= {"sigmoid", "sigmoid_norm"} or len(self.loss_types) != 1:
+                raise UnsupportedSetting(
+                    f"DPOConfig sets {moved or self.loss_types}: the local DPO loss does not implement them"
+                )
             self.sft = sft or {"weight": 0.0, "average": True}
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
@@ -115,29 +140,46 @@ def make_trainer_class():
             return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
 
         def _compute_loss(self, model, inputs, return_outputs):
-            if not self.sft["weight"]:
-                return super()._compute_loss(model, inputs, return_outputs)
-            seen = {}
-
-            def keep_first(module, args, output) -> None:
-                # The policy's forward (TRL's fused head, the first call) returns the per-token
-                # log-probs: keep them. Return None: a hook's return value replaces the output, and
-                # with a LoRA adapter TRL's reference pass is a second call of this same module.
-                seen.setdefault("out", output)
-
-            hook = model.register_forward_hook(keep_first)
-            try:
-                result = super()._compute_loss(model, inputs, return_outputs)
-            finally:
-                hook.remove()
-            mask = inputs["completion_mask"][..., 1:]
-            term = sft_term(seen["out"].log_probs[:, -mask.size(1) :], mask, self.sft["average"])
-            mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["sft_loss"].append(self.accelerator.gather(term.detach()).mean().item())
+            """``preference_loss_weight * dpo_loss + sft_loss_weight * chosen_nll`` on one batch of
+            ``[chosen..., rejected...]`` rows; the reference's log-probs from TRL's
+            ``compute_ref_log_probs`` (the frozen copy, or the policy with its adapter off)."""
             if return_outputs:
-                loss, outputs = result
-                return loss + self.sft["weight"] * term, outputs
-            return result + self.sft["weight"] * term
+                raise UnsupportedSetting(
+                    "the local DPO trainer returns no outputs: validation is its own callback"
+                )
+            completion_mask = inputs["completion_mask"]
+            mask = completion_mask[..., 1:]  # position t predicts token t + 1
+            model_inputs = {k: v for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
+            labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
+            outputs = model(**model_inputs, use_cache=False, labels=labels, fused_lm_head=True)
+            per_token = outputs.log_probs[:, -mask.size(1) :]
+            chosen_logps, rejected_logps = per_token.sum(dim=1).chunk(2, dim=0)
+            ref_chosen, ref_rejected = self.compute_ref_log_probs(
+                self.ref_model if self.ref_model is not None else model, inputs
+            )
+            tokens = (
+                completion_mask.sum(dim=1).chunk(2, dim=0) if self.loss_types == ["sigmoid_norm"] else None
+            )
+            pairs = dpo_loss(
+                chosen_logps, rejected_logps, ref_chosen, ref_rejected, beta=self.beta, tokens=tokens
+            )
+            loss = pairs.mean() * self.loss_weights[0]
+
+            mode = "train" if self.model.training else "eval"
+            chosen = self.beta * (chosen_logps - ref_chosen).detach()  # TRL's implicit rewards, summed
+            rejected = self.beta * (rejected_logps - ref_rejected).detach()
+            gather = self.accelerator.gather
+            self._metrics[mode]["rewards/chosen"].append(gather(chosen).mean().item())
+            self._metrics[mode]["rewards/rejected"].append(gather(rejected).mean().item())
+            self._metrics[mode]["rewards/accuracies"].append(
+                gather((chosen > rejected).float()).mean().item()
+            )
+            self._metrics[mode]["rewards/margins"].append(gather(chosen - rejected).mean().item())
+            if self.sft["weight"]:
+                term = chosen_nll(per_token, mask, self.sft["average"])
+                self._metrics[mode]["sft_loss"].append(gather(term.detach()).mean().item())
+                loss = loss + self.sft["weight"] * term
+            return loss
 
     return TokenizedDPOTrainer
 
@@ -201,7 +243,8 @@ def preference_metrics(
     preference_average_log_probs). Keys carry a ``val_`` prefix, matching ``METRICS``.
     """
     import torch
-    import torch.nn.functional as F
+
+    from alignpipe.rl.preference import pair_summary
 
     chosen, rejected, kl_sum, kl_tokens = [], [], 0.0, 0.0
     for start in range(0, len(pairs), batch_size):
@@ -216,14 +259,13 @@ def preference_metrics(
         rejected.append(reward[n:])
         kl_sum += float(kl[:n].sum())
         kl_tokens += float(tokens[:n].sum())
-    c, r = torch.cat(chosen), torch.cat(rejected)
-    margin = c - r
+    pairs_ranked = pair_summary(torch.cat(chosen), torch.cat(rejected))
     return {
-        "val_loss": float(-F.logsigmoid(margin).mean()),
-        "val_preference_accuracy": float((margin > 0).float().mean()),
-        "val_chosen_reward": float(c.mean()),
-        "val_rejected_reward": float(r.mean()),
-        "val_reward_margin": float(margin.mean()),
+        "val_loss": pairs_ranked["loss"],
+        "val_preference_accuracy": pairs_ranked["accuracy"],
+        "val_chosen_reward": pairs_ranked["chosen"],
+        "val_rejected_reward": pairs_ranked["rejected"],
+        "val_reward_margin": pairs_ranked["margin"],
         "val_kl_to_reference": kl_sum / max(kl_tokens, 1.0),
     }
 
@@ -288,7 +330,8 @@ def run(ctx: StageContext) -> None:
         ),
         at_start=bool(val_pairs) and bool(get_path(cfg, "dpo.val_at_start", False)),
     )
-    trainer = make_trainer_class()(
+    longest_side = lambda row: len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"]))  # noqa: E731
+    trainer = length_sorted(make_trainer_class(), longest_side)(
         sft=sft,
         model=model,
         ref_model=reference,
@@ -300,9 +343,6 @@ def run(ctx: StageContext) -> None:
     )
     if adapter:
         lora.prepare(ctx, trainer.model, adapter, policy_dir, int(get_path(cfg, "dpo.seed", ctx.seed)))
-    length_sorted_micro_batches(
-        trainer, lambda row: len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"]))
-    )
     model = train_then_validate(ctx, trainer, live, METRICS, validation, "dpo", bool(val_pairs))
 
     samples = sample_heldout(ctx, model, tokenizer)

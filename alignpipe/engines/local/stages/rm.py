@@ -34,7 +34,7 @@ from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, lora
 from alignpipe.engines.local.checkpoints import publish_trained, train_then_validate
-from alignpipe.engines.local.micro_batches import length_sorted_micro_batches
+from alignpipe.engines.local.micro_batches import length_sorted
 from alignpipe.engines.local.preference_pairs import preference_splits
 from alignpipe.engines.local.torch_threads import apply_torch_threads
 from alignpipe.engines.local.trl_args import refuse_gpu_only_settings, step_budget, trl_common_args
@@ -88,17 +88,17 @@ def pairwise_metrics(model, tokenizer, pairs: list[dict[str, Any]], batch_size: 
     wrong); ``reward_margin``: mean r(chosen) - r(rejected); ``loss``: the BT loss.
     Keys carry a ``val_`` prefix, matching ``METRICS``.
     """
-    import torch.nn.functional as F
+    from alignpipe.rl.preference import pair_summary
 
     chosen = score_sequences(model, tokenizer, [p["chosen_input_ids"] for p in pairs], batch_size)
     rejected = score_sequences(model, tokenizer, [p["rejected_input_ids"] for p in pairs], batch_size)
-    margin = chosen - rejected
+    ranked = pair_summary(chosen, rejected)
     return {
-        "val_loss": float(-F.logsigmoid(margin).mean()),
-        "val_pairwise_accuracy": float((margin > 0).float().mean()),
-        "val_reward_margin": float(margin.mean()),
-        "val_chosen_reward": float(chosen.mean()),
-        "val_rejected_reward": float(rejected.mean()),
+        "val_loss": ranked["loss"],
+        "val_pairwise_accuracy": ranked["accuracy"],
+        "val_reward_margin": ranked["margin"],
+        "val_chosen_reward": ranked["chosen"],
+        "val_rejected_reward": ranked["rejected"],
     }
 
 
@@ -168,7 +168,9 @@ def run(ctx: StageContext) -> None:
         lambda m: pairwise_metrics(m, tokenizer, val_pairs, val_batch),
         at_start=bool(val_pairs) and bool(get_path(cfg, "rm.val_at_start", False)),
     )
-    trainer = RewardTrainer(
+    # A pair is scored as two rows padded together: its longer answer sets its width.
+    pair_width = lambda row: max(len(row["chosen_ids"]), len(row["rejected_ids"]))  # noqa: E731
+    trainer = length_sorted(RewardTrainer, pair_width)(
         model=model,
         args=args,
         # NeMo-RL's tokens (preference_pairs.preference_examples), as RewardTrainer's pre-tokenised rows
@@ -181,8 +183,6 @@ def run(ctx: StageContext) -> None:
         processing_class=tokenizer,
         callbacks=[live_log.make_live_callback(live, METRICS), validation],
     )
-    # A pair is scored as two rows padded together: its longer answer sets its width.
-    length_sorted_micro_batches(trainer, lambda row: max(len(row["chosen_ids"]), len(row["rejected_ids"])))
     model = train_then_validate(ctx, trainer, live, METRICS, validation, "rm", bool(val_pairs))
 
     extra = {"reward_model_type": "bradley_terry"}

@@ -15,7 +15,7 @@ from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, lora
 from alignpipe.engines.local.checkpoints import publish_trained, train_resumable
-from alignpipe.engines.local.micro_batches import length_sorted_micro_batches
+from alignpipe.engines.local.micro_batches import length_sorted
 from alignpipe.engines.local.torch_threads import apply_torch_threads
 from alignpipe.engines.local.trl_args import refuse_gpu_only_settings, trl_common_args
 from alignpipe.errors import DataError, UnsupportedSetting
@@ -123,7 +123,7 @@ def run(ctx: StageContext) -> None:
             completion_only_loss=True,
             eval_on_start=bool(get_path(cfg, "sft.val_at_start", False)),
         )
-        trainer = SFTTrainer(
+        trainer = length_sorted(SFTTrainer, lambda row: len(row["input_ids"]))(
             model=model,
             args=args,
             train_dataset=train,
@@ -134,7 +134,6 @@ def run(ctx: StageContext) -> None:
         )
         if adapter:
             lora.prepare(ctx, trainer.model, adapter, model_path, int(get_path(cfg, "sft.seed", ctx.seed)))
-        length_sorted_micro_batches(trainer, lambda row: len(row["input_ids"]))
         train_resumable(ctx, trainer, live, METRICS)
         if val is not None and get_path(cfg, "sft.val_at_end", True):
             live_log.log_to_live(live, METRICS, trainer.evaluate(), trainer.state.global_step)
