@@ -315,6 +315,36 @@ def test_a_bad_tool_config_is_refused_naming_the_tool(user_module, tool, says):
     assert says.format(mod=user_module) in str(refused.value)
 
 
+@pytest.mark.parametrize(
+    "config, says",
+    [
+        ({"tools": []}, "'tools' must be a non-empty list"),
+        ({"tools": ["calculator"], "timeout": 3}, "unknown key 'timeout'"),
+        ({"tools": ["calculator"], "sandbox": {"cpu": 1}}, "sandbox: unknown key 'cpu'"),
+        ({"tools": ["calculator"], "sandbox": {"memory_mb": "lots"}}, "sandbox.memory_mb must be a whole number"),
+        ({"tools": ["calculator", {"name": "calculator", "timeout_s": 1}]}, "tool 'calculator': named twice"),
+        ({"tools": [{"name": "python", "timeout_s": 0}]}, "timeout_s must be a number >= 0.1"),
+        ({"tools": [{"name": "root", "function": "builtins:dict", "description": "d", "parameters": {}}]},
+         "tool 'root': builtins:dict has no module file to import in the sandbox (fix: set sandbox: false)"),
+    ],
+)  # fmt: skip
+def test_a_bad_toolset_config_is_refused(config, says):
+    with pytest.raises(ConfigError) as refused:
+        build_toolset(config)
+    assert says in str(refused.value)
+
+
+def test_an_interpreter_builtin_can_be_an_in_process_tool():
+    spec = {
+        "name": "root",
+        "function": "builtins:dict",
+        "description": "d",
+        "parameters": {},
+        "sandbox": False,
+    }
+    assert build_toolset({"tools": [spec]}).call(ToolCall("root", '{"x": 16}')).text == '{"x": 16}'
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox runs as the caller unless the caller is root")
 def test_a_user_tool_the_sandbox_cannot_read_is_refused_before_training(tmp_path):
     """pytest's tmp dirs are private (0700): the sandbox's own uid cannot import from them."""

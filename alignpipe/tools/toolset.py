@@ -107,7 +107,10 @@ class Toolset:
     def call(self, call: ToolCall) -> ToolResult:
         """Run one call. Bad input, a raising, hanging or chatty tool all come back as observations."""
         t0 = time.monotonic()
-        outcome = self._outcome(call)
+        try:
+            outcome = self._outcome(call)
+        except Exception as e:  # a fault in a runner (or a schema it checks) must not end a rollout
+            outcome = _Outcome("", "raised", f"{type(e).__name__}: {e}")
         text, truncated = self._capped(outcome.text)
         if outcome.error:
             text = (text if not text or text.endswith("\n") else text + "\n") + f"Error: {outcome.message}"
@@ -131,10 +134,7 @@ class Toolset:
         problem = argument_problem(arguments, tool.parameters)
         if problem:
             return _Outcome("", "bad_arguments", f"{problem} (tool {call.name!r})")
-        try:
-            return tool.invoke(arguments)
-        except Exception as e:  # a fault in a runner must not end a rollout
-            return _Outcome("", "raised", f"{type(e).__name__}: {e}")
+        return tool.invoke(arguments)
 
     def _capped(self, text: str) -> tuple[str, bool]:
         cap = self.max_output_chars
@@ -159,7 +159,7 @@ def _in_process(fn: Callable, timeout_s: float) -> Callable[[dict], _Outcome]:
         def target() -> None:
             try:
                 box["text"] = _as_text(fn(**arguments))
-            except Exception as e:
+            except BaseException as e:  # SystemExit too: the thread must leave a verdict
                 box["error"] = str(e) if isinstance(e, ToolError) else f"{type(e).__name__}: {e}"
 
         worker = threading.Thread(target=target, daemon=True)
@@ -267,7 +267,7 @@ def _refuse(where: str, tool: str, problem: str, fix: str) -> ConfigError:
 
 
 def _import_function(where: str, name: str, function) -> tuple[Callable, str]:
-    """The callable ``module:function`` names, and the sys.path directory its module came from."""
+    """The callable ``module:function`` names, and the sys.path directory its module came from ("" if none)."""
     if not isinstance(function, str) or function.count(":") != 1 or not all(function.split(":")):
         raise _refuse(
             where,
@@ -292,10 +292,8 @@ def _import_function(where: str, name: str, function) -> tuple[Callable, str]:
     if not callable(obj):
         raise _refuse(where, name, f"{function} is a {type(obj).__name__}, not a callable", "name a function")
     path = Path(getattr(module, "__file__", None) or "")
-    if not path.name:
-        raise _refuse(
-            where, name, f"module {module_name!r} has no file to import in the sandbox", "set sandbox: false"
-        )
+    if not path.name:  # built into the interpreter (or a namespace package): nowhere to point the sandbox
+        return obj, ""
     if path.name == "__init__.py":
         path = path.parent
     return obj, str(path.parents[len(module_name.split(".")) - 1])
@@ -361,6 +359,13 @@ def _build_tool(where: str, spec, timeout_s: float, sandbox: SandboxLimits, max_
     in_sandbox = spec.get("sandbox", True)
     if not isinstance(in_sandbox, bool):
         raise _refuse(where, name, f"sandbox must be true or false, got {in_sandbox!r}", "sandbox: true")
+    if in_sandbox and not root:
+        raise _refuse(
+            where,
+            name,
+            f"{spec['function']} has no module file to import in the sandbox",
+            "set sandbox: false",
+        )
     if in_sandbox:
         _check_in_sandbox(where, name, root, spec["function"], limits)
         invoke = _sandboxed_user_tool(root, spec["function"], limits)
@@ -394,6 +399,9 @@ def build_toolset(config: Mapping, where: str = "tools config") -> Toolset:
     )
     if bad:
         raise ConfigError(f"{where}: sandbox: unknown key {bad[0]!r} (keys: {', '.join(SANDBOX_KEYS)})")
+    for key, value in sandbox_over.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}: sandbox.{key} must be a whole number >= 1, got {value!r}")
     sandbox = replace(SandboxLimits(), **dict(sandbox_over))
     tools = [_build_tool(where, spec, timeout_s, sandbox, max_output_chars) for spec in specs]
     seen: set[str] = set()
