@@ -36,7 +36,7 @@ def plan_files(root: Path, stage: str, profile: str | None, source: str | None =
         if hasattr(engine, "plan")
         else {f"{ctx.label}.config.yaml": ctx.resolved_config_yaml()}
     )
-    return {**files, **launch_plan(ctx, engine).files()}
+    return {**files, **launch_plan(ctx, engine, planning=True).files()}
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

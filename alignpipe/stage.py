@@ -65,13 +65,21 @@ def needs_image(ctx: StageContext, module=None):
     return module.needs_image(ctx) if hasattr(module, "needs_image") else None
 
 
-def launch_plan(ctx: StageContext, module=None) -> LaunchPlan:
+def launch_plan(ctx: StageContext, module=None, *, planning: bool = False) -> LaunchPlan:
     """The stage's one launch: where the context sends it, the inner command, the environment
-    every launched stage gets. ``run`` executes it, ``plan`` prints it."""
+    every launched stage gets. ``run`` executes it, ``plan`` prints it. ``planning``: where the
+    run goes cannot be decided yet (an input not made) or would be refused, and ``plan`` shows
+    the configured launcher with the reason instead of failing."""
     from alignpipe.launch import get_launcher
 
-    need = needs_image(ctx, module)
-    name = ctx.launcher_for(need) or "process"
+    try:
+        need = needs_image(ctx, module)
+        name, undecided = ctx.launcher_for(need) or "process", ""
+    except ConfigError as e:
+        if not planning:
+            raise
+        need, name = None, ctx.launcher
+        undecided = " ".join(f"Where it runs is decided at run time; now: {e}".split())
     what = f"Stage '{ctx.label}', profile '{ctx.profile}', engine {ctx.engine}, via the {name} launcher"
     pinned = {**OFFLINE_ENV, "ALIGNPIPE_ROOT": str(ctx.root)}
     return LaunchPlan(
@@ -82,7 +90,8 @@ def launch_plan(ctx: StageContext, module=None) -> LaunchPlan:
         label=ctx.label,
         workdir=ctx.root,
         outputs=tuple(ctx.outputs.values()),
-        notes=(what + (f" ({need.needs} is in the image)." if need is not None else "."),),
+        notes=(what + (f" ({need.needs} is in the image)." if need is not None else "."),)
+        + ((undecided,) if undecided else ()),
     )
 
 
