@@ -24,34 +24,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def plan_files(root: Path, stage: str, profile: str | None, source: str | None = None) -> dict[str, str]:
-    """What ``plan`` shows: the resolved config and the exact launch script, by file name."""
-    from alignpipe.context import build_context, inner_argv
-    from alignpipe.errors import ConfigError
-    from alignpipe.launch import get_launcher
-    from alignpipe.launch.base import launch_script
-    from alignpipe.stage import engine_module, needs_image
+    """What ``plan`` shows, by file name: the engine's files (the resolved config, what it would
+    run) and the stage's launch plan, the one ``alignpipe run`` executes."""
+    from alignpipe.context import build_context
+    from alignpipe.stage import engine_module, launch_plan
 
     ctx = build_context(root, stage, profile, source=source)
     engine = engine_module(ctx)
-    try:  # where run_stage would send it; a run it would refuse is planned as configured
-        need = needs_image(ctx, engine)
-        launcher_name = ctx.launcher_for(need) or "process"
-    except ConfigError:
-        need, launcher_name = None, ctx.launcher
-    launcher = get_launcher(launcher_name, ctx.runtime, ctx.params)
     files = (
-        engine.plan(ctx) if hasattr(engine, "plan") else {f"{stage}.config.yaml": ctx.resolved_config_yaml()}
+        engine.plan(ctx)
+        if hasattr(engine, "plan")
+        else {f"{ctx.label}.config.yaml": ctx.resolved_config_yaml()}
     )
-    if not any(name.endswith(".launch.sh") for name in files):  # the engine launches as every stage does
-        argv = launcher.command(inner_argv(ctx), stage=ctx.label, workdir=root)  # as alignpipe.stage runs it
-        what = f"stage '{ctx.label}' via the {launcher_name} launcher"
-        if need is not None:
-            what += f" ({need.needs} is in the image)"
-        files[f"{ctx.label}.launch.sh"] = launch_script(argv, what=what, workdir=root)
-    if hasattr(launcher, "render_script"):
-        # Batch launchers submit a script that exists only at run time: show it too.
-        files[f"{stage}.sbatch"] = launcher.render_script(inner_argv(ctx), stage=ctx.label, workdir=root)
-    return files
+    return {**files, **launch_plan(ctx, engine, planning=True).files()}
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

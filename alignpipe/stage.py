@@ -3,7 +3,8 @@
 ``alignpipe run <stage>`` (what dvc.yaml calls) either launches the stage's *inner* command
 (``--inner``) through a launcher, or runs the engine right here. The context decides which
 (``StageContext.launcher_for``: the configured launcher, or the NeMo-RL image for a local
-stage that needs it); ``launch`` below is the only place anything is launched.
+stage that needs it). ``launch_plan`` builds the one ``LaunchPlan`` that ``run`` executes and
+``plan`` prints; ``launch`` below is the only place anything is launched.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from alignpipe.context import (
     set_offline_env,
 )
 from alignpipe.errors import ConfigError
+from alignpipe.launch.base import forwarded_env
+from alignpipe.launch.plan import LaunchPlan
 
 
 def engine_module(ctx: StageContext):
@@ -62,20 +65,43 @@ def needs_image(ctx: StageContext, module=None):
     return module.needs_image(ctx) if hasattr(module, "needs_image") else None
 
 
-def launch(ctx: StageContext, launcher_name: str) -> int:
-    """Run ``alignpipe run <stage> --inner`` through ``launcher_name``, with the one environment
-    every launched stage gets, and check its outputs came back. The one place a stage launches."""
+def launch_plan(ctx: StageContext, module=None, *, planning: bool = False) -> LaunchPlan:
+    """The stage's one launch: where the context sends it, the inner command, the environment
+    every launched stage gets. ``run`` executes it, ``plan`` prints it. ``planning``: where the
+    run goes cannot be decided yet (an input not made) or would be refused, and ``plan`` shows
+    the configured launcher with the reason instead of failing."""
     from alignpipe.launch import get_launcher
-    from alignpipe.launch.base import forwarded_env
 
-    launcher = get_launcher(launcher_name, ctx.runtime, ctx.params)
-    env = {**forwarded_env(), **OFFLINE_ENV, "ALIGNPIPE_ROOT": str(ctx.root)}
-    code = launcher.run(inner_argv(ctx), stage=ctx.label, workdir=ctx.root, env=env)
-    if code == 0:
-        launcher.check_outputs(list(ctx.outputs.values()))
-    else:
+    try:
+        need = needs_image(ctx, module)
+        name, undecided = ctx.launcher_for(need) or "process", ""
+    except ConfigError as e:
+        if not planning:
+            raise
+        need, name = None, ctx.launcher
+        undecided = " ".join(f"Where it runs is decided at run time; now: {e}".split())
+    what = f"Stage '{ctx.label}', profile '{ctx.profile}', engine {ctx.engine}, via the {name} launcher"
+    pinned = {**OFFLINE_ENV, "ALIGNPIPE_ROOT": str(ctx.root)}
+    return LaunchPlan(
+        launcher=get_launcher(name, ctx.runtime, ctx.params),
+        argv=tuple(inner_argv(ctx)),
+        env={**forwarded_env(), **pinned},
+        pinned=frozenset(pinned),
+        label=ctx.label,
+        workdir=ctx.root,
+        outputs=tuple(ctx.outputs.values()),
+        notes=(what + (f" ({need.needs} is in the image)." if need is not None else "."),)
+        + ((undecided,) if undecided else ()),
+    )
+
+
+def launch(plan: LaunchPlan) -> int:
+    """Run ``plan`` through its launcher and check its outputs came back. The one place a
+    stage is launched."""
+    code = plan.run()
+    if code != 0:
         print(
-            f"alignpipe: stage '{ctx.label}' failed on the {launcher_name} launcher (exit {code})",
+            f"alignpipe: stage '{plan.label}' failed on the {plan.launcher.name} launcher (exit {code})",
             file=sys.stderr,
         )
     return code
@@ -89,9 +115,13 @@ def run_stage(
     if not inner:  # a launcher's inner run is the same stage: one header
         console.header(ctx.label, ctx.engine, ctx.profile, get_path(ctx.config, "policy.model_name", None))
     module = engine_module(ctx)
-    launcher = ctx.launcher_for(needs_image(ctx, module), inner=inner)
-    if launcher is not None:
-        return launch(ctx, launcher)
+    if inner:
+        ctx.launcher_for(needs_image(ctx, module), inner=True)  # refuses a need this place cannot meet
+    else:
+        plan = launch_plan(ctx, module)
+        if not plan.here:
+            return launch(plan)
+        os.environ.update(plan.env)  # the process launcher's job is this process: its environment
     check_running_code(root)
     if ctx.engine == "local":
         set_cpu_env()

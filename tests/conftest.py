@@ -53,7 +53,7 @@ UPSTREAM_FIXTURES = ("nemo_rl_runtime", "dcp_run", "megatron_run")  # the last t
 # `make test` runs the suite on every core (pytest-xdist, --dist loadgroup). Each test module
 # stays on one worker, so a module's fixtures are built once; the modules that start Slurm and
 # Ray clusters share one, so no two clusters run at once.
-CLUSTER_MODULES = ("test_slurm", "test_ray", "test_ray_auth")
+CLUSTER_MODULES = ("test_slurm", "test_ray", "test_ray_auth", "test_launch_plan")
 
 
 # First: pytest-xdist's own hook turns the xdist_group marks into the node ids' `@group` suffix that

@@ -174,8 +174,12 @@ def test_secrets_travel_by_name_only(monkeypatch) -> None:
     monkeypatch.setenv("HF_TOKEN", "hf_supersecret")
     monkeypatch.setenv("WANDB_API_KEY", "wandbsecret")
     monkeypatch.setenv("RAY_AUTH_TOKEN", "raysecret")  # the ray launcher's; never forwarded
+    from alignpipe.context import OFFLINE_ENV
+    from alignpipe.launch.base import forwarded_env
+
+    env = {**forwarded_env(), **OFFLINE_ENV, "ALIGNPIPE_ROOT": "/w"}
     argv = launcher(runtime="podman").command(
-        ["alignpipe", "run", "rm", "--inner"], stage="rm", workdir=Path("/w")
+        ["alignpipe", "run", "rm", "--inner"], stage="rm", workdir=Path("/w"), env=env
     )
     joined = " ".join(argv)
     assert "supersecret" not in joined and "wandbsecret" not in joined and "raysecret" not in joined
@@ -199,7 +203,8 @@ def test_container_name_is_deterministic_per_workspace_and_stage() -> None:
 def test_host_gpu_indices_stay_outside(monkeypatch) -> None:
     """CUDA_VISIBLE_DEVICES names host GPUs; inside, runtime.gpus's devices count from 0."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    argv = launcher(runtime="docker", gpus="4,5").command(["true"], stage="s", workdir=Path("/w"))
+    env = {"CUDA_VISIBLE_DEVICES": "4,5"}
+    argv = launcher(runtime="docker", gpus="4,5").command(["true"], stage="s", workdir=Path("/w"), env=env)
     assert "CUDA_VISIBLE_DEVICES" not in argv and '"device=4,5"' in argv
 
 
@@ -244,7 +249,7 @@ def test_plan_writes_config_and_launch_script(repo_copy: Path, tmp_path: Path) -
     assert "export HF_HUB_OFFLINE=1\n" in script and f"export ALIGNPIPE_ROOT={repo_copy}\n" in script
     assert subprocess.run(["bash", "-n", str(out / "rlvr.launch.sh")]).returncode == 0
     assert "alignpipe-nemo-rl:v0.7.0 alignpipe run rlvr --inner --profile default" in script
-    assert "python -m alignpipe.engines.nemo_rl.grpo_driver --entry examples/run_grpo.py --config" in script
+    assert "python -m alignpipe.engines.nemo_rl.grpo_driver --entry examples/run_grpo.py --config" in cfg_text
     # --profile default means the default profile's knobs (conf/profile/default.yaml), not tiny's.
     assert cfg["policy"]["optimizer"]["kwargs"]["lr"] == pytest.approx(1.0e-6)
     sft = yaml.safe_load(

@@ -377,7 +377,7 @@ def test_lora_on_is_one_knob_on_every_gpu_profile(profile):
             assert peft["enabled"] is True
             assert peft["target_modules"] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
             assert (peft["dim"], peft["alpha"]) == (16 if stage == "dpo" else 8, 32)
-            assert CV.LORA_TO_HF in plan(ctx)[f"{stage}.launch.sh"]  # how the adapter is exported
+            assert CV.LORA_TO_HF in plan(ctx)[f"{stage}.nemo_rl.yaml"]  # how the adapter is exported
         else:
             assert (
                 policy["dtensor_cfg"]["_v2"] is True and policy["dtensor_cfg"]["lora_cfg"]["enabled"] is True

@@ -149,7 +149,7 @@ def test_settings_address_and_exit_codes(monkeypatch: pytest.MonkeyPatch) -> Non
         RaySettings.from_params({"ray": {"env_vars": {"A": 1}, "entrypoint_num_cpus": 2}})
     )
     assert ray_launcher.address() == "http://head:8265"
-    cmd = ray_launcher.command(inner("sft"), stage="sft", workdir=Path("/shared/repo"))
+    cmd = ray_launcher.command(inner("sft"), stage="sft", workdir=Path("/shared/repo"), env={})
     assert cmd[:4] == ["ray", "job", "submit", "--address=http://head:8265"]
     assert "--entrypoint-num-cpus=2" in cmd
     assert cmd[-1] == "cd /shared/repo || " + cmd[-1].split(" || ", 1)[1]

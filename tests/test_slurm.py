@@ -243,7 +243,7 @@ def test_script_and_sbatch_options_from_params() -> None:
     )
     slurm_launcher = SlurmLauncher(settings)
     root = Path("/shared/alignpipe")
-    cmd = slurm_launcher.command(inner("sft"), stage="sft", workdir=root)
+    cmd = slurm_launcher.command(inner("sft"), stage="sft", workdir=root, env={})
     assert cmd[:3] == ["sbatch", "--wait", "--parsable"]
     for flag in (
         "--account=llm",

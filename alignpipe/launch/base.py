@@ -8,6 +8,7 @@ import shlex
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -18,7 +19,10 @@ from alignpipe.launch.interrupt import shielded, sigterm_as_interrupt
 FORWARDED_PREFIXES = ("DVC_", "HF_", "ALIGNPIPE_", "TRANSFORMERS_", "WANDB_", "NRL_")
 FORWARDED_NAMES = ("PYTHONHASHSEED", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 
-_SECRET = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|APIKEY|CREDENTIAL|PRIVATE_KEY|ACCESS_KEY)", re.I)
+# TOKEN, but not TOKENIZERS_PARALLELISM (a setting every launched stage gets).
+_SECRET = re.compile(
+    r"(TOKEN(?!IZERS)|SECRET|PASSWORD|PASSWD|API_KEY|APIKEY|CREDENTIAL|PRIVATE_KEY|ACCESS_KEY)", re.I
+)
 
 
 def string_list(key: str, value) -> list[str]:
@@ -79,9 +83,13 @@ def shell_join(argv: Sequence[str]) -> str:
     return " ".join(shlex.quote(a) for a in argv)
 
 
-def launch_script(argv: Sequence[str], *, what: str, workdir: Path) -> str:
-    """The ``<stage>.launch.sh`` that ``alignpipe plan`` writes: ``argv`` run from ``workdir``."""
-    return f"#!/usr/bin/env bash\n# {what}\nset -euo pipefail\ncd {workdir}\n{shell_join(argv)}\n"
+@dataclass(frozen=True)
+class Resources:
+    """What a launch asks for: the image the job runs in, its GPUs, its nodes."""
+
+    image: str | None = None
+    gpus: str | None = None  # as the launcher asks: "all", "0,1", "8 per node"; None: none
+    nodes: int = 1
 
 
 class Launcher(ABC):
@@ -90,8 +98,16 @@ class Launcher(ABC):
     name: str = "?"
 
     @abstractmethod
-    def command(self, argv: Sequence[str], *, stage: str, workdir: Path) -> list[str]:
-        """The exact host command that launches ``argv`` (shown by ``alignpipe plan``)."""
+    def command(self, argv: Sequence[str], *, stage: str, workdir: Path, env: Mapping[str, str]) -> list[str]:
+        """The exact host command that launches ``argv`` with ``env`` (``run`` runs it, ``plan``
+        prints it); a secret's value never appears in it."""
+
+    def resources(self) -> Resources:
+        return Resources()
+
+    def run_files(self, argv: Sequence[str], *, stage: str, workdir: Path) -> dict[str, str]:
+        """Files the launcher writes at run time to launch ``argv``, by name (shown by ``plan``)."""
+        return {}
 
     @abstractmethod
     def run(self, argv: Sequence[str], *, stage: str, workdir: Path, env: Mapping[str, str]) -> int:

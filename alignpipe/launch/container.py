@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from alignpipe.errors import ConfigError
-from alignpipe.launch.base import JobLauncher, forwarded_env, redact_argv, shell_join
+from alignpipe.launch.base import JobLauncher, Resources, redact_argv, shell_join
 
 RUNTIMES = ("docker", "podman")
 # Forwarded variables that name host directories the job reads or writes: mounted at the
@@ -187,13 +187,13 @@ class ContainerLauncher(JobLauncher):
         cmd += list(argv)
         return cmd
 
-    def command(self, argv, *, stage, workdir):
-        names = sorted(forwarded_env())
-        from alignpipe.context import OFFLINE_ENV
+    def command(self, argv, *, stage, workdir, env):
+        """``env`` travels by name; the directories it names are mounted."""
+        return self.argv(argv, stage=stage, workdir=workdir, env_names=sorted(env), env_dirs=env_dirs(env))
 
-        env = forwarded_env()
-        return self.argv(argv, stage=stage, workdir=workdir, env_dirs=env_dirs(env),
-                         env_names=sorted({*names, *OFFLINE_ENV, "ALIGNPIPE_ROOT"}))  # fmt: skip
+    def resources(self) -> Resources:
+        gpus = "" if self.gpus is None or self.gpus is False else str(self.gpus).strip()
+        return Resources(image=self.image, gpus=None if gpus.lower() in NO_GPUS else gpus)
 
     # ------------------------------------------------------------------ run
 
@@ -232,7 +232,7 @@ class ContainerLauncher(JobLauncher):
     def submit(self, argv, *, stage, workdir, env, out):
         self.check_image()
         env = dict(env)
-        cmd = self.argv(argv, stage=stage, workdir=workdir, env_names=sorted(env), env_dirs=env_dirs(env))
+        cmd = self.command(argv, stage=stage, workdir=workdir, env=env)
         home = self.home_dir()
         if home is not None:
             home.mkdir(parents=True, exist_ok=True)

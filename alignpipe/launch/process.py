@@ -41,7 +41,7 @@ def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
 class ProcessLauncher(Launcher):
     name = "process"
 
-    def command(self, argv, *, stage, workdir):
+    def command(self, argv, *, stage, workdir, env):
         return list(argv)
 
     def run(self, argv, *, stage, workdir, env):

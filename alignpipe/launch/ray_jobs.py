@@ -38,6 +38,7 @@ from typing import Any, TextIO
 from alignpipe.errors import AlignpipeError, ConfigError
 from alignpipe.launch.base import (
     JobLauncher,
+    Resources,
     is_secret,
     redact_env,
     settings_section,
@@ -139,13 +140,14 @@ class RayJobLauncher(JobLauncher):
         }
         return {k: v for k, v in kwargs.items() if v is not None}
 
-    def command(self, argv: Sequence[str], *, stage: str, workdir: Path) -> list[str]:
-        """The equivalent ``ray job submit`` line (what ``run`` does through the Python API).
+    def command(self, argv: Sequence[str], *, stage: str, workdir: Path, env: Mapping[str, str]) -> list[str]:
+        """The equivalent ``ray job submit`` line (what ``run`` does through the Python API),
+        with the runtime env ``submit`` sends, secret values masked.
 
         Like ``run``, ``ray job submit`` takes the token from the environment (RAY_AUTH_MODE,
         RAY_AUTH_TOKEN ...), so the line never holds it."""
         address = self.settings.address or os.environ.get("RAY_ADDRESS")
-        env_vars, _ = self.job_env({}, "<submission-id>")
+        env_vars, _ = self.job_env(env, "<submission-id>")
         cmd = ["ray", "job", "submit"]
         # Without an address here, `ray job submit` reads $RAY_ADDRESS where the plan is run.
         cmd += [f"--address={address}"] if address else []
@@ -162,6 +164,10 @@ class RayJobLauncher(JobLauncher):
             else:
                 cmd.append(f"--entrypoint-resources={json.dumps(value)}")
         return [*cmd, "--", "bash", "-c", self.entrypoint(argv, workdir)]
+
+    def resources(self) -> Resources:
+        gpus = self.settings.entrypoint_num_gpus
+        return Resources(gpus=f"{gpus:g} for the entrypoint" if gpus else None)
 
     def client(self):
         try:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from alignpipe.errors import AlignpipeError, ConfigError
-from alignpipe.launch.base import JobLauncher, settings_section, shell_join, string_list
+from alignpipe.launch.base import JobLauncher, Resources, settings_section, shell_join, string_list
 
 # How long to wait for sbatch to notice a cancelled job before giving up on it.
 CANCEL_WAIT_S = 60.0
@@ -147,7 +147,8 @@ class SlurmLauncher(JobLauncher):
             args.append(f"--gpus-per-node={s.gpus_per_node}")
         return args + list(s.extra_args)
 
-    def command(self, argv: Sequence[str], *, stage: str, workdir: Path) -> list[str]:
+    def command(self, argv: Sequence[str], *, stage: str, workdir: Path, env: Mapping[str, str]) -> list[str]:
+        # `--export=ALL`: the job inherits ``env`` from sbatch's environment (``submit``).
         return [
             "sbatch",
             "--wait",
@@ -155,6 +156,15 @@ class SlurmLauncher(JobLauncher):
             *self.sbatch_args(stage=stage, workdir=workdir),
             str(self.script_path(stage, workdir)),
         ]
+
+    def resources(self) -> Resources:
+        s = self.settings
+        return Resources(
+            s.container_image, f"{s.gpus_per_node} per node" if s.gpus_per_node else None, s.nodes
+        )
+
+    def run_files(self, argv: Sequence[str], *, stage: str, workdir: Path) -> dict[str, str]:
+        return {self.script_path(stage, workdir).name: self.render_script(argv, stage=stage, workdir=workdir)}
 
     def _step_prefix(self, workdir: Path, node: str | None) -> list[str]:
         """``srun`` for one task on one node, inside the container when one is configured."""
@@ -275,7 +285,7 @@ class SlurmLauncher(JobLauncher):
             # Own session: a Ctrl-C on the terminal must not kill `sbatch --wait` (which would
             # leave the job running); `cancel` scancels the job instead.
             proc = subprocess.Popen(
-                self.command(argv, stage=stage, workdir=workdir),
+                self.command(argv, stage=stage, workdir=workdir, env=env),
                 cwd=workdir,
                 env=job_env,
                 stdout=subprocess.PIPE,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import shutil
 
 from alignpipe.config import get_path
+from alignpipe.context import inner_argv
 from alignpipe.engines.nemo_rl import convert as CV
 from alignpipe.engines.nemo_rl import preflight
 from alignpipe.engines.nemo_rl.inputs import prepare
@@ -78,40 +79,26 @@ def run(ctx, *, runner: CommandRunner = run_command) -> None:
 
 
 def plan(ctx) -> dict[str, str]:
-    """``<stage>.nemo_rl.yaml`` (the rendered config) and ``<stage>.launch.sh`` (container + entry)."""
-    from alignpipe.context import OFFLINE_ENV, inner_argv
-    from alignpipe.launch import get_launcher
+    """``<stage>.nemo_rl.yaml``: the rendered config, headed by what the inner run does with it.
+    The launch that gets it there is the stage's launch plan (alignpipe.stage.launch_plan)."""
     from alignpipe.launch.base import shell_join
 
     paths = RunPaths(ctx.scratch_dir)
     cfg = render_for(ctx, paths.scratch)
-    entry = entry_argv(ctx.name, cfg, paths.config)
-    launcher_name = ctx.launcher
-    launcher = get_launcher(launcher_name, ctx.runtime, ctx.params)
-    outer = launcher.command(inner_argv(ctx), stage=ctx.name, workdir=ctx.root)
-
-    pinned_env = {**OFFLINE_ENV, "ALIGNPIPE_ROOT": str(ctx.root)}
-    script = (
-        "#!/usr/bin/env bash\n"
-        f"# Stage '{ctx.name}', profile '{ctx.profile}', engine nemo_rl, launcher {launcher_name}.\n"
-        f"# The {launcher_name} launcher runs `{shell_join(inner_argv(ctx))}` inside runtime.image; that\n"
-        f"# writes the config below to {paths.config} and runs, with cwd {nemo_rl_dir(ctx)}:\n"
-        f"#   {shell_join(entry)}\n"
+    lora = get_path(cfg, "policy.megatron_cfg.enabled") and get_path(cfg, "policy.megatron_cfg.peft.enabled")
+    steps = (
+        f"# `{shell_join(inner_argv(ctx))}` writes this config to\n# {paths.config}\n"
+        f"# and runs, with cwd {nemo_rl_dir(ctx)}:\n"
+        f"#   {shell_join(entry_argv(ctx.name, cfg, paths.config))}\n"
         + (
             f"# then exports the best checkpoint's LoRA adapter with {CV.MCORE_PYTHON} {CV.LORA_TO_HF}\n"
             "# (alone, as HF PEFT; merged when its base is sft's Megatron checkpoint) and publishes it,\n"
             "# the metrics and artifact.json.\n"
-            if get_path(cfg, "policy.megatron_cfg.enabled")
-            and get_path(cfg, "policy.megatron_cfg.peft.enabled")
+            if lora
             else "# then publishes the best checkpoint, metrics and artifact.json.\n"
         )
-        + "set -euo pipefail\n"
-        f"cd {shell_join([str(ctx.root)])}\n"
-        # What `alignpipe run` sets before launching; the launcher forwards them by name.
-        + "".join(f"export {k}={shell_join([v])}\n" for k, v in sorted(pinned_env.items()))
-        + f"{shell_join(outer)}\n"
     )
-    return {f"{ctx.name}.nemo_rl.yaml": to_yaml(cfg, config_header(ctx)), f"{ctx.name}.launch.sh": script}
+    return {f"{ctx.name}.nemo_rl.yaml": to_yaml(cfg, config_header(ctx) + steps)}
 
 
 __all__ = ["plan", "run"]
