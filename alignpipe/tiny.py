@@ -32,6 +32,34 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
 )
 
+# With tools (stages/base/config: tokenizer.tools): a tool turn, assistant turns that call tools
+# in the <tool_call>{"name", "arguments"}</tool_call> form alignpipe.tools parses, and the tools
+# offered, by name only (a schema would cost the tiny model more tokens than the question).
+# ``<tool_call>`` tokens are plain (decoding keeps them: the rollout parses the decoded text).
+TOOL = "<|tool|>"
+TOOL_CALL_TOKENS = ["<tool_call>", "</tool_call>"]
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}"
+    + SYSTEM
+    + "tools:{% for t in tools %} {{ (t.function or t).name }}{% endfor %}"
+    + EOS
+    + "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}" + SYSTEM + "{{ message['content'] }}" + EOS + "{% endif %}"
+    "{% if message['role'] == 'user' %}" + USER + "{{ message['content'] }}" + EOS + "{% endif %}"
+    "{% if message['role'] == 'tool' %}" + TOOL + "{{ message['content'] }}" + EOS + "{% endif %}"
+    "{% if message['role'] == 'assistant' %}" + ASSISTANT + "{% generation %}{{ message['content'] or '' }}"
+    "{% for c in message['tool_calls'] or [] %}<tool_call>{\"name\": {{ c.function.name | tojson }}, "
+    '"arguments": {% if c.function.arguments is string %}{{ c.function.arguments }}'
+    "{% else %}{{ c.function.arguments | tojson }}{% endif %}}</tool_call>{% endfor %}"
+    + EOS
+    + "{% endgeneration %}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
+)
+# The literal text TOOL_CHAT_TEMPLATE writes around a call, for the tokenizer to learn its words.
+TOOL_FORMAT_TEXT = '{"name": "", "arguments": {}} tools:'
+
 
 # How the tiny tokenizer cuts text (stages/base/config: tokenizer.kind). Every digit stays one
 # token either way: the builtin tasks are digit manipulation, learnt digit by digit.
@@ -42,7 +70,7 @@ TOKENIZER_KINDS = {
 }
 
 
-def train_tokenizer(texts: Iterable[str], kind: str = "words", min_frequency: int = 1):
+def train_tokenizer(texts: Iterable[str], kind: str = "words", min_frequency: int = 1, tools: bool = False):
     """A tokenizer whose vocabulary is learnt from ``texts``, with the tiny chat template.
 
     ``char``: one token per character (WordLevel). ``words``: BPE merges only inside runs of
@@ -50,13 +78,14 @@ def train_tokenizer(texts: Iterable[str], kind: str = "words", min_frequency: in
     punctuation and spaces stay single characters; an unseen word falls back to the pieces
     the data taught (as BPE does), not to ``<unk>``. ``words`` reads a ``chat`` row in two
     thirds of the tokens ``char`` needs: the model does the same arithmetic per token either way.
+    ``tools``: the tool-call template (``TOOL_CHAT_TEMPLATE``) and its tokens.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     if kind not in TOKENIZER_KINDS:
         raise ValueError(f"tokenizer.kind {kind!r} is not one of {sorted(TOKENIZER_KINDS)}")
-    texts = list(texts)
+    texts = list(texts) + ([TOOL_FORMAT_TEXT] if tools else [])
     if kind == "char":
         tok = Tokenizer(models.WordLevel(unk_token=UNK))
         tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -78,10 +107,12 @@ def train_tokenizer(texts: Iterable[str], kind: str = "words", min_frequency: in
         eos_token=EOS,
         pad_token=PAD,
         unk_token=UNK,
-        additional_special_tokens=[SYSTEM, USER, ASSISTANT],
+        additional_special_tokens=[SYSTEM, USER, ASSISTANT] + ([TOOL] if tools else []),
         model_max_length=512,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    if tools:
+        fast.add_tokens(TOOL_CALL_TOKENS)
+    fast.chat_template = TOOL_CHAT_TEMPLATE if tools else CHAT_TEMPLATE
     return fast
 
 

@@ -80,6 +80,7 @@ def test_rollouts_must_fill_whole_optimizer_steps(tmp_path):
         ({"loss_fn": {"use_kl_in_reward": True}}, "loss_fn.use_kl_in_reward"),
         ({"grpo": {"use_dynamic_sampling": True}}, "grpo.use_dynamic_sampling"),
         ({"loss_fn": {"reference_policy_kl_type": "k1"}}, "k3"),
+        ({"grpo": {"max_rollout_turns": 4}}, "grpo.max_rollout_turns=4: a second turn answers a tool call"),
     ],
 )
 def test_settings_the_local_engine_cannot_honour_are_refused(knobs, needle):
@@ -93,6 +94,10 @@ def test_rlhf_refuses_no_kl_anchor_and_unknown_reward_source():
         rlhf.check_settings(context("rlhf", {"loss_fn": {"reference_policy_kl_penalty": 0.0}}))
     with pytest.raises(ConfigError, match="reward_source"):
         rlhf.check_settings(context("rlhf", {"alignpipe": {"reward_source": "oracle"}}))
+
+
+def test_several_turns_are_accepted_with_tools():
+    grpo.refuse_unsupported_grpo(context("rlvr", {"grpo": {"max_rollout_turns": 4}}), tools=True)
 
 
 def test_tiny_profiles_run_on_the_local_engine():

@@ -17,12 +17,14 @@ from tests.conftest import REPO
 
 # What only one engine measures, and why it cannot be the other's: TRL-only diagnostics, and
 # the two terms of NeMo-RL's DPO loss that TRL does not log apart.
+TOOLS = {"train/tool_calls_per_answer", "train/tool_malformed_share", "train/tool_turns", "train/tool_errors",
+         "train/tool_seconds", "train/reward_with_tool", "train/reward_without_tool"}  # fmt: skip
 LOCAL_ONLY = {
     "sft": {"train/token_accuracy", "val/token_accuracy"},
     "dpo": {"train/reward_margin", "val/reward_margin", "val/kl_to_reference"},
     "rm": {"train/reward_margin", "val/reward_margin"},
     "rlvr": {"train/reward_std", "train/frac_zero_std_groups", "train/clip_fraction", "val/reward_std",
-             "train/verifier_accuracy", "val/reward_mean"},
+             "train/verifier_accuracy", "val/reward_mean", *TOOLS},
     # NeMo-RL's rlhf validation/accuracy is the RM's mean score: no verifier accuracy, no interval.
     "rlhf": {"train/reward_std", "train/frac_zero_std_groups", "train/clip_fraction", "val/reward_std",
              "train/verifier_accuracy", "train/rm_score", "train/judge_parse_fail_fraction",

@@ -105,6 +105,26 @@ _GRPO = (
     ),
     Metric("val/reward_std", "eval_reward_std", (), "validation reward std (local only)"),
 )
+# Tool rollouts (alignpipe.tools, local engine): what the policy did with its tools per step.
+_TOOLS = (
+    Metric(
+        "train/tool_calls_per_answer", "tools/calls_per_answer", (), "tool calls per rollout (local only)"
+    ),
+    Metric(
+        "train/tool_malformed_share", "tools/malformed_share", (), "calls that could not be read (local only)"
+    ),
+    Metric("train/tool_turns", "tools/turns_per_rollout", (), "assistant turns per rollout (local only)"),
+    Metric("train/tool_errors", "tools/errors", (), "calls that ended in an error (local only)"),
+    Metric(
+        "train/tool_seconds", "tools/seconds", (), "seconds spent in tools, summed over calls (local only)"
+    ),
+    Metric(
+        "train/reward_with_tool", "tools/reward_with_call", (), "mean reward of rollouts that called a tool"
+    ),
+    Metric(
+        "train/reward_without_tool", "tools/reward_without_call", (), "mean reward of rollouts that did not"
+    ),
+)
 # NeMo-RL's validation/accuracy is the mean validation reward: the verifier's for rlvr, the RM's
 # for rlhf. NeMo-Gym reports the same as validation/total_reward/mean.
 _VALIDATION_REWARD = ("validation/accuracy", "validation/total_reward/mean")
@@ -193,6 +213,7 @@ VOCABULARY: dict[str, tuple[Metric, ...]] = {
             "train/verifier_accuracy", "verifier_accuracy", (), "verifier accuracy of rollouts (local only)"
         ),
         Metric("val/reward_mean", "eval_reward", (), "mean shaped validation reward (local only)"),
+        *_TOOLS,
     ),
     "rlhf": (
         *_OPTIMIZER,

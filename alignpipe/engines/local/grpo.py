@@ -28,6 +28,7 @@ from alignpipe.context import StageContext
 from alignpipe.data.schema import as_conversation
 from alignpipe.engines.local import live_log, lora
 from alignpipe.engines.local.checkpoints import publish_trained, train_resumable
+from alignpipe.engines.local.tool_rollout import ToolRollouts
 from alignpipe.engines.local.torch_threads import apply_torch_threads
 from alignpipe.engines.local.trl_args import refuse_gpu_only_settings, trl_common_args
 from alignpipe.engines.local.trl_seams import Seams
@@ -49,7 +50,6 @@ from alignpipe.timing import record_timing
 
 # NeMo-RL GRPO settings whose effect this engine cannot reproduce: (key, allowed values, why).
 _UNSUPPORTED: list[tuple[str, tuple[Any, ...], str]] = [
-    ("grpo.max_rollout_turns", (None, 1), "multi-turn rollouts need NeMo-RL environments"),
     ("grpo.use_dynamic_sampling", (None, False), "dynamic sampling (DAPO) is a NeMo-RL loop feature"),
     (
         "grpo.reward_shaping.enabled",
@@ -77,14 +77,18 @@ def config_file(ctx: StageContext) -> str:
     return f"stages/{ctx.name}/config/{ctx.profile}.yaml (or params.yaml)"
 
 
-def refuse_unsupported_grpo(ctx: StageContext) -> None:
-    """Fail with every GRPO setting the local engine would silently ignore, not just the first."""
+def refuse_unsupported_grpo(ctx: StageContext, tools: bool = False) -> None:
+    """Fail with every GRPO setting the local engine would silently ignore, not just the first.
+    ``grpo.max_rollout_turns`` above 1 needs ``tools``: the only environment that answers a turn."""
     refuse_gpu_only_settings(ctx)
     problems = [
         f"{key}={get_path(ctx.config, key)!r}: {why}"
         for key, allowed, why in _UNSUPPORTED
         if get_path(ctx.config, key) not in allowed
     ]
+    turns = get_path(ctx.config, "grpo.max_rollout_turns")
+    if not tools and turns not in (None, 1):
+        problems.append(f"grpo.max_rollout_turns={turns!r}: a second turn answers a tool call; turn tools on")
     if problems:
         raise UnsupportedSetting(
             f"stage '{ctx.name}' (profile '{ctx.profile}') sets GRPO options the local engine cannot honour:\n  - "
@@ -154,8 +158,15 @@ class RewardFn:
         self.last: list[float] | None = None
         self.guard: ZeroRewardGuard | None = None  # set by run_grpo
 
+    # Per malformed <tool_call> block of a tool rollout, subtracted from its reward (alignpipe.tools).
+    malformed_penalty: float = 0.0
+
     def __call__(self, prompts, completions, completion_ids, **kwargs) -> list[float | None]:
-        texts = [completion_text(c) for c in completions]
+        answers = kwargs.get("tool_answer")  # a tool rollout: the final turn, without its calls
+        if answers is not None:
+            texts = ["" if a is None else a for a in answers]
+        else:
+            texts = [completion_text(c) for c in completions]
         rows = []
         conversations = kwargs.get("conversation") or prompts
         for i in range(len(prompts)):
@@ -172,9 +183,34 @@ class RewardFn:
         rewards = self.score(rows, texts, num_tokens, log_metric)
         if self.guard is not None:
             self.guard.observe(rows, texts, num_tokens, rewards)
+        if answers is not None:
+            rewards = self._tool_rewards(rewards, kwargs, log_metric)
         rewards = [None if r is None else scale_reward(float(r), self.scaling) for r in rewards]
         self.last = [math.nan if r is None else r for r in rewards]
         return rewards
+
+    def _tool_rewards(self, rewards: list, columns: dict[str, Any], log_metric) -> list:
+        """A tool rollout's reward: less ``malformed_penalty`` per malformed call; and what the
+        step's rollouts did with tools (calls per answer, malformed share, turns, time in tools,
+        the reward with and without a call)."""
+        calls, malformed = columns["tool_calls"], columns["tool_malformed"]
+        stats = columns["tool_stats"][0]  # the generation batch's counters, one object per row
+        n = max(1, len(calls))
+        log_metric("tools/calls_per_answer", sum(calls) / n)
+        log_metric("tools/malformed_share", sum(malformed) / max(1, sum(calls)))
+        log_metric("tools/turns_per_rollout", sum(columns["tool_turns"]) / n)
+        log_metric("tools/errors", float(sum(stats.errors.values())))
+        log_metric("tools/seconds", stats.seconds)
+        for name, pick in (("with_call", True), ("without_call", False)):
+            chosen = [r for r, c in zip(rewards, calls, strict=True) if (c > 0) == pick and r is not None]
+            if chosen:
+                log_metric(f"tools/reward_{name}", sum(chosen) / len(chosen))
+        if not self.malformed_penalty:
+            return rewards
+        return [
+            None if r is None else float(r) - self.malformed_penalty * m
+            for r, m in zip(rewards, malformed, strict=True)
+        ]
 
 
 class ZeroRewardGuard:
@@ -542,14 +578,18 @@ def run_grpo(
     *,
     data_key: str = "data.train.data_path",
     after_training: Callable[[Any, Any, Any, dict], dict[str, Any]] | None = None,
+    tools: ToolRollouts | None = None,
 ) -> dict[str, float]:
     """Train, evaluate against the SFT reference, publish ``policy_out``. Returns the flat metrics.
+
+    With ``tools``, rollouts are multi-turn (engines/local/tool_rollout.py): the policy may call
+    them, up to ``grpo.max_rollout_turns`` turns, and the reward reads its final answer.
 
     ``after_training(live, samples, reference_samples, measures)`` lets a stage add its own
     held-out metrics (rlhf: reward-model scores) before the summary is written, and per-sample
     measures to publish with the samples (``heldout.measures_file``).
     """
-    refuse_unsupported_grpo(ctx)  # before the imports below: a refused setting fails in a second
+    refuse_unsupported_grpo(ctx, tools=tools is not None)  # before the imports: fails in a second
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -578,10 +618,15 @@ def run_grpo(
     live = live_log.open_live(ctx)
     names = local_keys(ctx.name)  # TRL log key -> pipeline metric (measure/metrics.py)
     trainer_cls = make_trainer_class()
+    rollout = {}
+    if tools is not None:
+        reward_fn.malformed_penalty = tools.malformed_penalty
+        rollout = {"rollout_func": tools.rollout_func(args, int(get_path(cfg, "grpo.max_rollout_turns")))}
     trainer = trainer_cls(
         model=model,
         reward_funcs=[reward_fn],
         args=args,
+        **rollout,
         train_dataset=train,
         eval_dataset=val,
         processing_class=tokenizer,

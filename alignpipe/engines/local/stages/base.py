@@ -108,7 +108,9 @@ def build_tiny(ctx: StageContext) -> None:
             f"stages/base/config/{ctx.profile}.yaml: tokenizer.kind {kind!r} is not one of "
             f"{', '.join(sorted(tiny.TOKENIZER_KINDS))}"
         )
-    tokenizer = tiny.train_tokenizer(texts, kind, min_frequency=cfg["tokenizer"]["min_frequency"])
+    tokenizer = tiny.train_tokenizer(
+        texts, kind, min_frequency=cfg["tokenizer"]["min_frequency"], tools=bool(cfg["tokenizer"]["tools"])
+    )
     model = tiny.build_causal_lm(tokenizer, cfg["model"], seed=ctx.seed)
     publish.publish_model(
         ctx,
