@@ -194,7 +194,9 @@ class Tools:
         "builtins by name (calculator, python) or {name, function: 'module:function', description, "
         "parameters, sandbox, timeout_s} (alignpipe/tools/toolset.py); empty: no tools",
     )
-    max_rollout_turns: int = setting(4, "assistant turns per rollout at most; the last one's calls are not run")
+    max_rollout_turns: int = setting(
+        4, "assistant turns per rollout at most; the last one's calls are not run"
+    )
     malformed_penalty: float = setting(
         0.0, "subtracted from a rollout's reward per <tool_call> block that could not be read"
     )
