@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,126 @@ def test_preflight_passes_nemo_rls_validation_with_tools_on(
     report = preflight.check(build_context(REPO, "rlvr", "default", params=params))
     assert report.ok, report.text()
     assert not [w for w in report.warnings if "alignpipe_tools" in w or "chat_template_kwargs" in w]
+
+
+# --------------------------------------------------------------------------- NeMo-RL's own rollout loop
+
+
+def overfit_policy(tokenizer, conversations: list[list[dict]], out: Path, steps: int = 150) -> Path:
+    """A tiny causal LM trained on ``conversations`` (every token, as NeMo-RL tokenises each
+    piece: no BOS) until greedy decoding replays them: a policy that calls the calculator. The
+    loss cannot go below the first user word's (which prompt it is), ~0.02: stop near it."""
+    import torch
+
+    from alignpipe.tiny import build_causal_lm
+
+    model_cfg = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+    }
+    model = build_causal_lm(tokenizer, model_cfg, seed=0)
+    ids = [tokenizer(tokenizer.apply_chat_template(c, tokenize=False), add_special_tokens=False).input_ids
+           for c in conversations]  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a few ms a step: more threads only wait on each other
+    try:
+        for _ in range(steps):
+            loss = sum(model(input_ids=torch.tensor([x]), labels=torch.tensor([x])).loss for x in ids) / len(
+                ids
+            )
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if loss.item() < 0.03:
+                break
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tool_policy(tmp_path_factory) -> Path:
+    texts = [json.dumps(c) for c in CONVERSATIONS]
+    tokenizer = tool_tokenizer(texts)
+    return overfit_policy(tokenizer, CONVERSATIONS, tmp_path_factory.mktemp("tool-policy"))
+
+
+def test_the_overfit_policy_calls_the_calculator(tool_policy: Path) -> None:
+    """The premise of the rollout test: greedy decoding after the sum's prompt writes the call."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tool_policy, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(tool_policy, local_files_only=True)
+    prompt = tokenizer(tokenizer.apply_chat_template(ROWS[0]["prompt"], tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False, return_tensors="pt").input_ids  # fmt: skip
+    with torch.no_grad():
+        out = model.generate(prompt, do_sample=False, max_new_tokens=64, pad_token_id=tokenizer.pad_token_id)
+    assert tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True) == CALL
+
+
+@pytest.fixture(scope="module")
+def nemo_rl_tool_rollout(nemo_rl_runtime, tool_policy: Path, tmp_path_factory) -> dict:
+    """The rendered default rlvr config with tools on, reading ROWS with the overfit policy's
+    tokenizer, through the ``tool_rollout`` probe (NeMo-RL's process, a local CPU Ray)."""
+    tmp = tmp_path_factory.mktemp("tool-rollout")
+    cfg = rendered_with(
+        tmp, ("+rlvr.alignpipe.tools.tools=[calculator]", "+rlvr.alignpipe.tools.max_rollout_turns=3")
+    )
+    (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg["data"]["train"]["data_path"] = str(tmp / "train.jsonl")
+    cfg["data"].pop("validation", None)
+    cfg["data"]["shuffle"] = False
+    cfg["grpo"]["num_generations_per_prompt"] = 2
+    for section in (cfg["policy"]["tokenizer"], cfg["env"]["alignpipe_tools"]["tokenizer"]):
+        section["name"] = str(tool_policy)
+    result = nemo_rl_runtime("tool_rollout", {"config": cfg, "model": str(tool_policy), "max_new_tokens": 64})
+    return {**result, "config": cfg}
+
+
+def test_nemo_rls_multi_turn_rollout_runs_the_tools_and_scores_the_final_answer(
+    nemo_rl_tool_rollout: dict, tool_policy: Path
+) -> None:
+    """run_multi_turn_rollout (nemo_rl/experience/rollouts.py) with a real policy and
+    ``alignpipe_tools`` as its Ray actor: the sum's rollouts call the calculator, read its result
+    as the tokens of ``observation_text`` and answer; the echo's answer at once. The loss trains
+    on the assistant's tokens only, and each rollout's reward is the verifier's on its answer."""
+    from transformers import AutoTokenizer
+
+    from alignpipe.rewards import score_completion
+
+    tokenizer = AutoTokenizer.from_pretrained(tool_policy, local_files_only=True)
+    logs, rewards = nemo_rl_tool_rollout["logs"], nemo_rl_tool_rollout["total_reward"]
+    group = nemo_rl_tool_rollout["config"]["grpo"]["num_generations_per_prompt"]
+    assert len(logs) == len(ROWS) * group
+    observation = observation_text(tokenizer, [{"role": "tool", "name": "calculator", "content": "42"}])
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    for k, (row, log) in enumerate(zip([r for r in ROWS for _ in range(group)], logs, strict=True)):
+        prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        assert log[0]["token_ids"] == ids(prompt) and set(log[0]["token_loss_mask"]) == {0}
+        if row is ROWS[0]:  # call, tool result, answer, and nothing after the answer
+            assert [m["role"] for m in log] == ["user", "assistant", "tool", "assistant", "environment"]
+            assert log[1]["content"] == CALL and log[1]["token_ids"] == ids(CALL) + [tokenizer.eos_token_id]
+            assert log[2]["content"] == observation
+            assert log[2]["token_ids"] == ids(observation)
+            answer = log[3]
+        else:
+            assert [m["role"] for m in log] == ["user", "assistant", "environment"]
+            answer = log[1]
+        assert answer["token_ids"] == ids(row["answer"]) + [tokenizer.eos_token_id]
+        assert log[-1]["token_ids"] == []
+        for m in log:  # the loss trains on what the policy wrote, never on the prompt or a tool's result
+            assert m["token_loss_mask"] == [int(m["role"] == "assistant" and m is not log[0])] * len(
+                m["token_ids"]
+            )
+        assert rewards[k] == score_completion(row, answer["content"]) == 1.0
+    assert nemo_rl_tool_rollout["metrics"]["max_turns_per_sample"] == 2
