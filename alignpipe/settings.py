@@ -173,6 +173,58 @@ class NemoGym:
     )
 
 
+@dataclass(frozen=True)
+class ToolSandbox:
+    """Resource limits of a sandboxed tool call (``alignpipe.rewards.sandbox``); null: the sandbox's own."""
+
+    memory_mb: int | None = setting(None, "address space of the call's process, in MiB")
+    nproc: int | None = setting(None, "processes of the sandbox's uid")
+    fsize_mb: int | None = setting(None, "largest file the call may write, in MiB")
+    nofile: int | None = setting(None, "open files")
+
+
+@dataclass(frozen=True)
+class Tools:
+    """Agentic rlvr: tools the policy calls mid-rollout (``alignpipe.tools``); off while ``tools`` is empty.
+    Each assistant turn's ``<tool_call>`` blocks are run and their results appended, until a turn
+    without a call (scored by the row's verifier) or ``max_rollout_turns``."""
+
+    tools: list[str | dict[str, Any]] = setting(
+        [],
+        "builtins by name (calculator, python) or {name, function: 'module:function', description, "
+        "parameters, sandbox, timeout_s} (alignpipe/tools/toolset.py); empty: no tools",
+    )
+    max_rollout_turns: int = setting(
+        4, "assistant turns per rollout at most; the last one's calls are not run"
+    )
+    malformed_penalty: float = setting(
+        0.0, "subtracted from a rollout's reward per <tool_call> block that could not be read"
+    )
+    timeout_s: float = setting(10.0, "wall-clock limit of a call, unless its tool sets its own")
+    max_output_chars: int = setting(4096, "an observation longer than this is cut, with a marker")
+    sandbox: ToolSandbox = section(ToolSandbox, "limits of sandboxed calls (python, user tools)")
+
+    def __post_init__(self) -> None:
+        if self.max_rollout_turns < 1:
+            raise InvalidSetting("max_rollout_turns", "must be >= 1")
+        if self.malformed_penalty < 0:
+            raise InvalidSetting("malformed_penalty", "is a magnitude and must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tools)
+
+    def toolset_config(self) -> dict[str, Any]:
+        """The config ``alignpipe.tools.build_toolset`` reads (its module docstring)."""
+        limits = {k: v for k, v in vars(self.sandbox).items() if v is not None}
+        return {
+            "tools": [t if isinstance(t, str) else dict(t) for t in self.tools],
+            "timeout_s": self.timeout_s,
+            "max_output_chars": self.max_output_chars,
+            **({"sandbox": limits} if limits else {}),
+        }
+
+
 # --------------------------------------------------------------------------- convert
 
 
@@ -286,6 +338,7 @@ class AlignpipeSettings:
     reward_clip: list[float | None] | None = setting(None, "rlhf: [lo, hi] clamp of the RM score; null: none")
     judge: Judge = section(Judge, "rlhf: the generative judge")
     reward_hacking: RewardHacking = section(RewardHacking, "rlhf and evaluate: the reward-hacking flag")
+    tools: Tools = section(Tools, "rlvr: tools the policy calls in multi-turn rollouts")
     nemo_gym: NemoGym = section(NemoGym, "nemo_gym profile: Gym's data conversion")
     export: Export = section(Export, "convert: what is exported and how it is checked")
     converter: Converter = section(Converter, "convert: NeMo-RL's checkpoint converter")

@@ -303,6 +303,107 @@ def grpo_rollout(payload: dict) -> dict:
     }
 
 
+class HFGeneration:
+    """A real policy on CPU in NeMo-RL's ``GenerationInterface`` (there is no GPU for vLLM): a
+    Hugging Face causal LM generating each row on its own, greedily when asked, in the output
+    layout of NeMo-RL's generation workers (input ids, then the generated ids with their
+    log-probs; lengths; right padding)."""
+
+    def __init__(self, model_dir: str, tokenizer, max_new_tokens: int):
+        from nemo_rl.models.generation.interfaces import GenerationInterface
+        from transformers import AutoModelForCausalLM
+
+        assert all(hasattr(self, m) for m in GenerationInterface.__abstractmethods__)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+        self.tokenizer, self.max_new_tokens = tokenizer, max_new_tokens
+
+    def init_collective(self, *args, **kwargs) -> list:
+        return []
+
+    def prepare_for_generation(self, *args, **kwargs) -> bool:
+        return True
+
+    def finish_generation(self, *args, **kwargs) -> bool:
+        return True
+
+    def generate(self, data, greedy: bool = False):
+        from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+        rows, logprobs, gen_lengths, lengths = [], [], [], []
+        for i in range(data["input_ids"].shape[0]):
+            prompt = data["input_ids"][i, : int(data["input_lengths"][i])]
+            with torch.no_grad():
+                out = self.model.generate(
+                    prompt[None], attention_mask=torch.ones_like(prompt)[None], do_sample=not greedy,
+                    max_new_tokens=self.max_new_tokens, eos_token_id=self.tokenizer.eos_token_id,
+                    pad_token_id=self.tokenizer.pad_token_id, output_scores=True, return_dict_in_generate=True,
+                )  # fmt: skip
+            new = out.sequences[0, len(prompt) :]
+            lp = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, new, strict=True)]
+            rows.append(prompt.tolist() + new.tolist())
+            logprobs.append([0.0] * len(prompt) + lp)
+            gen_lengths.append(len(new))
+            lengths.append(len(rows[-1]))
+        width = max(lengths)
+        pad = self.tokenizer.pad_token_id
+        return BatchedDataDict(
+            {
+                "output_ids": torch.tensor([r + [pad] * (width - len(r)) for r in rows]),
+                "logprobs": torch.tensor([p + [0.0] * (width - len(p)) for p in logprobs]),
+                "generation_lengths": torch.tensor(gen_lengths),
+                "unpadded_sequence_lengths": torch.tensor(lengths),
+            }
+        )
+
+
+def tool_rollout(payload: dict) -> dict:
+    """A multi-turn GRPO rollout with alignpipe's tools, as grpo_train runs it: the rendered
+    config's data and ``alignpipe_tools`` environment (``setup_response_data``, a real Ray actor
+    from ``create_env``), ``rl_collate_fn``, ``repeat_interleave(num_generations_per_prompt)``,
+    ``run_multi_turn_rollout`` with :class:`HFGeneration` (greedy) for ``grpo.max_rollout_turns``,
+    then ``add_grpo_token_loss_masks_and_generation_logprobs``, which marks the tokens the loss
+    trains on. Returns each sample's message log (role, content, token ids, loss mask), its
+    ``total_reward`` and the rollout metrics."""
+    from nemo_rl.algorithms.grpo import add_grpo_token_loss_masks_and_generation_logprobs
+    from nemo_rl.algorithms.utils import get_tokenizer
+    from nemo_rl.data.collate_fn import rl_collate_fn
+    from nemo_rl.data.utils import setup_response_data
+    from nemo_rl.experience.rollouts import run_multi_turn_rollout
+
+    register_once()
+    cfg = payload["config"]
+    tokenizer = get_tokenizer(cfg["policy"]["tokenizer"])
+    train, _, task_to_env, _ = setup_response_data(tokenizer, cfg["data"], cfg["env"])
+    batch = rl_collate_fn([train[i] for i in range(len(train))])
+    repeated = batch.repeat_interleave(cfg["grpo"]["num_generations_per_prompt"])
+    final, metrics = run_multi_turn_rollout(
+        policy_generation=HFGeneration(payload["model"], tokenizer, payload["max_new_tokens"]),
+        input_batch=repeated,
+        tokenizer=tokenizer,
+        task_to_env=task_to_env,
+        max_seq_len=cfg["policy"]["max_total_sequence_length"],
+        max_rollout_turns=cfg["grpo"]["max_rollout_turns"],
+        greedy=True,
+    )
+    add_grpo_token_loss_masks_and_generation_logprobs(final["message_log"])
+    return {
+        "logs": [
+            [
+                {
+                    "role": m["role"],
+                    "content": m["content"],
+                    "token_ids": m["token_ids"].tolist(),
+                    "token_loss_mask": m["token_loss_mask"].tolist(),
+                }
+                for m in log
+            ]
+            for log in final["message_log"]
+        ],
+        "total_reward": final["total_reward"].tolist(),
+        "metrics": {k: v for k, v in metrics.items() if isinstance(v, int | float)},
+    }
+
+
 def sft_loss(payload: dict) -> dict:
     """``NLLLossFn`` (run_sft's loss) on one batch's logits, token mask and sample weights,
     normalised by the batch's valid tokens; returns the loss and the gradient w.r.t. the logits."""
@@ -442,6 +543,7 @@ PROBES = {
     "sft_loss": sft_loss,
     "rm_loss": rm_loss,
     "grpo_rollout": grpo_rollout,
+    "tool_rollout": tool_rollout,
     "rlvr_rewards": rlvr_rewards,
     "sft_data": sft_data,
     "preference_data": preference_data,
@@ -449,7 +551,7 @@ PROBES = {
 
 
 # Probes whose environments are Ray actors: one local CPU Ray for the whole call.
-NEEDS_RAY = {"rlvr_rewards", "grpo_rollout"}
+NEEDS_RAY = {"rlvr_rewards", "grpo_rollout", "tool_rollout"}
 
 
 def run(probe: str, payload):

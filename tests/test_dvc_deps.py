@@ -120,6 +120,7 @@ def entry_modules(stage: str, engine: str = "local") -> list[Path]:
 ENGINE_DEPS = {
     "${runtime.engine_deps.nemo_rl}": "alignpipe/engines/nemo_rl",
     "${runtime.engine_deps.launch}": "alignpipe/launch",
+    "${runtime.engine_deps.tools}": "alignpipe/tools",
 }
 
 
@@ -191,7 +192,9 @@ def test_engine_deps_resolve_per_engine_as_the_runtime_decides():
             want = "alignpipe/launch" if chosen == "nemo_rl" else ON_THE_LOCAL_ENGINE
             assert engine_dep(engine, profile, "alignpipe/launch") == want, (engine, profile)
     params = yaml.safe_load((REPO / "params.yaml").read_text())
-    assert params["runtime"]["engine_deps"] == {"nemo_rl": ON_THE_LOCAL_ENGINE, "launch": ON_THE_LOCAL_ENGINE}
+    assert params["runtime"]["engine_deps"] == dict.fromkeys(
+        ("nemo_rl", "launch", "tools"), ON_THE_LOCAL_ENGINE
+    )
 
 
 def test_walk_sees_function_level_imports():

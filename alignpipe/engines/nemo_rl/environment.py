@@ -14,6 +14,11 @@ Three pieces, each plugged in where NeMo-RL looks for it:
 * ``VerifierEnvironment`` (``data.default.env_name: alignpipe_verifier``): a Ray actor whose
   ``step`` scores the last assistant turn with
   ``alignpipe.rewards.score_completion(s)`` (1.0 correct, 0.0 wrong).
+* ``ToolEnvironment`` (``alignpipe_tools``, what rendering routes rlvr to when
+  ``alignpipe.tools`` names tools): a Ray actor for multi-turn rollouts whose ``step`` answers
+  each last assistant turn with ``alignpipe.tools.episode.respond``: the tool turns to append
+  (reward 0, not done), or, for a turn without calls or the last allowed one, the verifier's
+  score of its answer less ``malformed_penalty`` per unreadable call of the rollout (done).
 
 ``register()`` makes NeMo-RL find them: ``register_env`` (ENV_REGISTRY) **and** the actor
 environment registry (``ACTOR_ENVIRONMENT_REGISTRY[fqn] = PY_EXECUTABLES.SYSTEM``; without
@@ -28,12 +33,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from alignpipe.data.schema import as_conversation
 from alignpipe.rewards.verifiers import ROW_FIELDS
+from alignpipe.tools import ToolStats
+from alignpipe.tools.episode import Turn, respond
 
 ENV_NAME = "alignpipe_verifier"
+TOOLS_ENV_NAME = "alignpipe_tools"
+TOOLS_ACTOR_FQN = "alignpipe.engines.nemo_rl.environment.ToolEnvironment"
+# A rollout's counters, carried from turn to turn in the metadata (extra_env_info) it returns.
+TURNS_KEY, MALFORMED_KEY = "alignpipe_tool_turns", "alignpipe_tool_malformed"
 PROCESSOR_NAME = "alignpipe_verifier_processor"
 RM_PROCESSOR_NAME = "alignpipe_rm_processor"
 ACTOR_FQN = "alignpipe.engines.nemo_rl.environment.VerifierEnvironment"
@@ -93,6 +105,71 @@ def score_batch(
     # Batched: math/code verifiers go to their worker pools in one call per group.
     rows = [row_from_env_info(info) for info in metadata]
     return [float(s) for s in score_completions(rows, [last_assistant_text(log) for log in message_logs])]
+
+
+@dataclass(frozen=True)
+class ToolStep:
+    """The tool environment's answer to one batch of assistant turns (``tool_step``)."""
+
+    observations: list[dict[str, str]]
+    metadata: list[dict[str, Any]]
+    rewards: list[float]
+    done: list[bool]
+    answers: list[str | None]
+    turns: list[Turn]  # what respond said, with each call and result
+
+
+def tool_step(
+    tokenizer,
+    toolset,
+    message_logs: Sequence[Sequence[dict[str, Any]]],
+    metadata: Sequence[dict[str, Any] | None],
+    *,
+    max_rollout_turns: int,
+    malformed_penalty: float = 0.0,
+) -> ToolStep:
+    """One turn of a batch of tool-using rollouts, as NeMo-RL's ``run_multi_turn_rollout`` asks
+    for it: each rollout's last assistant turn answered by ``respond``.
+
+    A rollout that goes on gets its tool turns as a ``tool`` observation (the text NeMo-RL
+    tokenises as it is, ``observation_text``), reward 0. One that ends (no call, or its
+    ``max_rollout_turns``-th turn, whose calls are not run) gets the verifier's score of the
+    answer minus ``malformed_penalty`` per unreadable call of the whole rollout, and an empty
+    observation (nothing appended after its answer). The turn count and malformed calls so far
+    travel in the returned metadata, which NeMo-RL hands back on the next turn.
+    """
+    from alignpipe.rewards import score_completions
+
+    if len(message_logs) != len(metadata):
+        raise ValueError(f"{len(message_logs)} conversations but {len(metadata)} metadata entries")
+    infos = [dict(info or {}) for info in metadata]
+    texts = [last_assistant_text(log) for log in message_logs]
+    turns: list[Turn | None] = [None] * len(texts)
+    for last in (False, True):  # rollouts on their last allowed turn: their calls are not run
+        idx = [i for i, info in enumerate(infos) if (info.get(TURNS_KEY, 0) + 1 >= max_rollout_turns) == last]
+        if idx:
+            answered, _ = respond(tokenizer, toolset, [texts[i] for i in idx], last_turn=last)
+            for i, turn in zip(idx, answered, strict=True):
+                turns[i] = turn
+    for info, turn in zip(infos, turns, strict=True):
+        info[TURNS_KEY] = info.get(TURNS_KEY, 0) + 1
+        info[MALFORMED_KEY] = info.get(MALFORMED_KEY, 0) + turn.malformed
+    done = [i for i, turn in enumerate(turns) if turn.done]
+    scores = score_completions([row_from_env_info(infos[i]) for i in done], [turns[i].answer for i in done])
+    rewards = [0.0] * len(turns)
+    for i, score in zip(done, scores, strict=True):
+        rewards[i] = float(score) - malformed_penalty * infos[i][MALFORMED_KEY]
+    return ToolStep(
+        observations=[
+            {"role": "environment", "content": ""} if t.done else {"role": "tool", "content": t.observation}
+            for t in turns
+        ],
+        metadata=infos,
+        rewards=rewards,
+        done=[t.done for t in turns],
+        answers=[t.answer for t in turns],
+        turns=turns,
+    )
 
 
 def format_row(data: dict[str, Any], input_key: str, output_key: str, task_name: str) -> dict[str, Any]:
@@ -239,13 +316,63 @@ class _VerifierEnvironment(EnvironmentInterface):  # type: ignore[misc,valid-typ
         return None
 
 
+class _ToolEnvironment(EnvironmentInterface):  # type: ignore[misc,valid-type]
+    """Multi-turn rollouts with alignpipe's tools (``tool_step``); config: ``tokenizer`` (the
+    policy's ``policy.tokenizer`` section, so tool turns are templated as the prompt was),
+    ``toolset`` (``build_toolset``'s config), ``max_rollout_turns``, ``malformed_penalty``."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        from nemo_rl.algorithms.utils import get_tokenizer
+
+        from alignpipe.tools import build_toolset
+        from alignpipe.tools.episode import observation_text
+
+        self.cfg = dict(cfg)
+        self.tokenizer = get_tokenizer(self.cfg["tokenizer"])
+        self.toolset = build_toolset(self.cfg["toolset"], where=f"env.{TOOLS_ENV_NAME}.toolset")
+        self.max_rollout_turns = int(self.cfg["max_rollout_turns"])
+        self.malformed_penalty = float(self.cfg.get("malformed_penalty", 0.0))
+        self.stats = ToolStats()
+        observation_text(self.tokenizer, [{"role": "tool", "content": "x"}])  # refuses a template now
+
+    def step(self, message_log_batch, metadata):
+        out = tool_step(
+            self.tokenizer,
+            self.toolset,
+            message_log_batch,
+            metadata,
+            max_rollout_turns=self.max_rollout_turns,
+            malformed_penalty=self.malformed_penalty,
+        )
+        for turn in out.turns:
+            for result in turn.results:
+                self.stats.add(result)
+        return EnvironmentReturn(
+            observations=out.observations,
+            metadata=out.metadata,
+            next_stop_strings=[None] * len(out.rewards),
+            rewards=torch.tensor(out.rewards, dtype=torch.float32),
+            terminateds=torch.tensor(out.done, dtype=torch.bool),
+            answers=out.answers,
+        )
+
+    def global_post_process_and_metrics(self, batch):
+        # Never called by v0.7.0's GRPO loop (see _VerifierEnvironment); the counters are here for it.
+        return batch, self.stats.metrics()
+
+    def shutdown(self) -> None:
+        return None
+
+
 if HAVE_NEMO_RL:
     # Same actor options as NeMo-RL's MathEnvironment (restart on failure, concurrent steps).
     VerifierEnvironment = ray.remote(max_restarts=-1, max_task_retries=-1, max_concurrency=1000)(
         _VerifierEnvironment
     )
+    ToolEnvironment = ray.remote(max_restarts=-1, max_task_retries=-1, max_concurrency=1000)(_ToolEnvironment)
 else:
     VerifierEnvironment = _VerifierEnvironment
+    ToolEnvironment = _ToolEnvironment
 
 
 def register() -> None:
@@ -256,7 +383,9 @@ def register() -> None:
     from nemo_rl.environments.utils import register_env
 
     register_env(ENV_NAME, ACTOR_FQN)
-    # The env actor runs with the driver's interpreter, where alignpipe is installed.
+    register_env(TOOLS_ENV_NAME, TOOLS_ACTOR_FQN)
+    # The env actors run with the driver's interpreter, where alignpipe is installed.
     ACTOR_ENVIRONMENT_REGISTRY[ACTOR_FQN] = PY_EXECUTABLES.SYSTEM
+    ACTOR_ENVIRONMENT_REGISTRY[TOOLS_ACTOR_FQN] = PY_EXECUTABLES.SYSTEM
     register_processor(PROCESSOR_NAME, verifier_data_processor)
     register_processor(RM_PROCESSOR_NAME, reward_model_data_processor)

@@ -10,6 +10,10 @@ already in NeMo-RL's schema; rendering only adds what belongs to this pipeline r
 * ``logger.log_dir`` under the same scratch dir (NeMo-RL appends ``exp_NNN``), TensorBoard
   on so the engine can import the metrics into DVCLive;
 * for NeMo-Gym runs, data paths pointing at the Gym-format copies the engine writes;
+* with ``alignpipe.tools`` on (rlvr), multi-turn rollouts: ``grpo.max_rollout_turns`` from it,
+  the verifier's task routed to alignpipe's tool environment (``env.alignpipe_tools``: the
+  toolset, the policy's tokenizer section, the turn limit and malformed penalty), and the tool
+  schemas in ``policy.tokenizer.chat_template_kwargs.tools`` so the prompt lists them;
 * the ``alignpipe:`` section dropped (NeMo-RL's pydantic MasterConfig allows extra keys,
   but they do not belong in a config handed to another program).
 """
@@ -27,7 +31,8 @@ import yaml
 from alignpipe.adapters import wildcard_match
 from alignpipe.config import get_path
 from alignpipe.errors import ConfigError
-from alignpipe.settings import from_config
+from alignpipe.settings import AlignpipeSettings, from_config
+from alignpipe.tools import build_toolset
 
 # Entry scripts (relative to the NeMo-RL checkout, /opt/nemo-rl in the image).
 RUN_GRPO = "examples/run_grpo.py"
@@ -47,8 +52,9 @@ REQUIRED_SECTIONS = {
     "rlvr": ("policy", "loss_fn", "env", "data", "grpo", "logger", "cluster", "checkpointing"),
     "rlhf": ("policy", "loss_fn", "env", "data", "grpo", "logger", "cluster", "checkpointing"),
 }
-# The custom environment alignpipe registers inside NeMo-RL (environment.py).
+# The custom environments alignpipe registers inside NeMo-RL (environment.py).
 VERIFIER_ENV = "alignpipe_verifier"
+TOOLS_ENV = "alignpipe_tools"
 GRPO_DRIVER_MODULE = "alignpipe.engines.nemo_rl.grpo_driver"
 # Keys holding model/checkpoint paths that may name a pipeline artifact.
 PATH_KEYS = (
@@ -252,7 +258,62 @@ def needs_registration(cfg: dict[str, Any]) -> bool:
         for entry in entries if isinstance(entries, list) else [entries]:
             if isinstance(entry, dict):
                 processors.add(entry.get("processor"))
-    return VERIFIER_ENV in env_names(cfg) or any(str(p).startswith("alignpipe_") for p in processors if p)
+    return bool(env_names(cfg) & {VERIFIER_ENV, TOOLS_ENV}) or any(
+        str(p).startswith("alignpipe_") for p in processors if p
+    )
+
+
+def route_to_tools(stage: str, cfg: dict[str, Any], settings: AlignpipeSettings) -> None:
+    """With ``alignpipe.tools`` naming tools, make ``cfg`` (rendered, paths absolute) roll out
+    multi-turn through alignpipe's tool environment. Every tool is built here (a user tool
+    imported, in its sandbox too), so a bad one stops the stage before anything runs."""
+    tools = settings.tools
+    if not tools.enabled:
+        return
+    where = f"stage '{stage}' profile alignpipe.tools"
+    if stage != "rlvr":
+        raise ConfigError(f"{where}: tools are for rlvr rollouts; stage '{stage}' has none (set tools: [])")
+    if uses_nemo_gym(cfg):
+        raise ConfigError(
+            f"{where}: a NeMo-Gym run gets its tools from its Gym agent and resources servers, not from "
+            "alignpipe.tools; set alignpipe.tools.tools: [] or use the default profile"
+        )
+    toolset = build_toolset(tools.toolset_config(), where=where)
+    turns = get_path(cfg, "grpo.max_rollout_turns", 1)
+    if turns not in (1, tools.max_rollout_turns):
+        raise ConfigError(
+            f"stage '{stage}': grpo.max_rollout_turns is {turns} but alignpipe.tools.max_rollout_turns is "
+            f"{tools.max_rollout_turns}; with tools on, alignpipe.tools.max_rollout_turns sets it: set "
+            f"grpo.max_rollout_turns to 1 or to {tools.max_rollout_turns}"
+        )
+    cfg["grpo"]["max_rollout_turns"] = tools.max_rollout_turns
+    data = cfg.get("data") or {}
+    entries = [data.get("default")] + [e for split in DATA_SPLITS for e in _entries(data.get(split))]
+    for entry in entries:
+        if isinstance(entry, dict) and entry.get("env_name") == VERIFIER_ENV:
+            entry["env_name"] = TOOLS_ENV
+    if TOOLS_ENV not in env_names(cfg):
+        raise ConfigError(
+            f"{where}: tools need the task scored by {VERIFIER_ENV}, which the tool environment stands in "
+            f"for; data names {sorted(env_names(cfg))}"
+        )
+    tokenizer = cfg["policy"].setdefault("tokenizer", {})
+    tokenizer["chat_template_kwargs"] = {
+        **(tokenizer.get("chat_template_kwargs") or {}),
+        "tools": toolset.schemas(),
+    }
+    env = cfg.setdefault("env", {})
+    env[TOOLS_ENV] = {
+        **(env.pop(VERIFIER_ENV, None) or {}),
+        "tokenizer": copy.deepcopy(tokenizer),
+        "toolset": tools.toolset_config(),
+        "max_rollout_turns": tools.max_rollout_turns,
+        "malformed_penalty": tools.malformed_penalty,
+    }
+
+
+def _entries(value: Any) -> list:
+    return value if isinstance(value, list) else [value]
 
 
 def entry_script(stage: str, cfg: dict[str, Any]) -> str:
@@ -314,6 +375,7 @@ def render(
 ) -> dict[str, Any]:
     """The complete NeMo-RL config for this run (a new dict; ``config`` is not modified)."""
     cfg = copy.deepcopy(config)
+    settings = from_config(cfg, f"stage '{stage}' profile")
     cfg.pop("alignpipe", None)
     missing = [s for s in REQUIRED_SECTIONS.get(stage, ()) if s not in cfg]
     if missing:
@@ -348,6 +410,7 @@ def render(
     logger = cfg.setdefault("logger", {})
     logger["log_dir"] = str(paths.logs)
     logger["tensorboard_enabled"] = True
+    route_to_tools(stage, cfg, settings)
     return cfg
 
 
