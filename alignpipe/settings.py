@@ -92,6 +92,9 @@ class Heldout:
     top_p: float = setting(1.0, "nucleus sampling threshold")
     batch_size: int = setting(128, "prompts per generate() call (hf); batching moves the RNG stream")
     seed: int = setting(1234, "sampling seed")
+    max_tool_turns: int = setting(
+        4, "prompts offering tools (a row's tools): assistant turns per answer at most (hf only)"
+    )
     vllm: HeldoutVllm = section(HeldoutVllm, "backend vllm: the engine's arguments")
 
 

@@ -107,6 +107,25 @@ def test_the_small_evidence_preset_is_the_measured_run():
         assert ctx.settings.heldout.limit == 256 or stage == "prep"
 
 
+def test_the_tools_preset_reaches_every_stage_that_needs_it():
+    """`-S tools=on`: prep offers the calculator and draws calc, base builds the tool template,
+    rlvr rolls out with the calculator over 4 turns (the NeMo-RL key agreeing), and every stage
+    that samples held-out answers gives them room for a call, its result and the answer."""
+    from alignpipe.context import build_context
+    from alignpipe.engines.local.grpo import refuse_unsupported_grpo
+
+    params = yaml.safe_load(C.compose_params_text(REPO.resolve(), ["tools=on"]))
+    prep = build_context(REPO, "prep", params=params).config["builtin"]
+    assert prep["tools"] == ["calculator"] and prep["tasks"]["calc"]["weight"] == 1
+    assert build_context(REPO, "base", params=params).config["tokenizer"]["tools"] is True
+    rlvr = build_context(REPO, "rlvr", params=params)
+    assert rlvr.settings.tools.tools == ["calculator"] and rlvr.settings.tools.max_rollout_turns == 4
+    refuse_unsupported_grpo(rlvr)  # the turn limits agree
+    for stage in ("sft", "dpo", "rm", "rlvr", "rlhf", "evaluate"):
+        assert build_context(REPO, stage, params=params).settings.heldout.max_new_tokens == 64, stage
+    assert not build_context(REPO, "rlhf", params=params).settings.tools.enabled
+
+
 def _dvc_stages() -> dict:
     return yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
 

@@ -81,6 +81,10 @@ def test_rollouts_must_fill_whole_optimizer_steps(tmp_path):
         ({"grpo": {"use_dynamic_sampling": True}}, "grpo.use_dynamic_sampling"),
         ({"loss_fn": {"reference_policy_kl_type": "k1"}}, "k3"),
         ({"grpo": {"max_rollout_turns": 4}}, "grpo.max_rollout_turns=4: a second turn answers a tool call"),
+        (
+            {"grpo": {"max_rollout_turns": 3}, "alignpipe": {"tools": {"tools": ["calculator"]}}},
+            "disagrees with alignpipe.tools.max_rollout_turns=4",
+        ),
     ],
 )
 def test_settings_the_local_engine_cannot_honour_are_refused(knobs, needle):
@@ -97,7 +101,8 @@ def test_rlhf_refuses_no_kl_anchor_and_unknown_reward_source():
 
 
 def test_several_turns_are_accepted_with_tools():
-    grpo.refuse_unsupported_grpo(context("rlvr", {"grpo": {"max_rollout_turns": 4}}), tools=True)
+    tools = {"alignpipe": {"tools": {"tools": ["calculator"], "max_rollout_turns": 3}}}
+    grpo.refuse_unsupported_grpo(context("rlvr", {"grpo": {"max_rollout_turns": 3}, **tools}))
 
 
 def test_tiny_profiles_run_on_the_local_engine():

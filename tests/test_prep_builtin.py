@@ -288,3 +288,56 @@ def test_chat_rows_are_conversations_answered_by_their_last_question(tmp_path, s
                 assert prompt_of(fam, row) == f"{earlier}\n{question}"
                 assert row["id"] == row_id(fam, row)
     assert chats > 20
+
+
+def test_calc_rows_call_the_calculator_and_every_row_offers_it(tmp_path):
+    """The tools preset's data (builtin.tools, task calc): sft's calc rows call the calculator on
+    the prompt's sum, read its value from a tool turn and answer it; every sft and rl row offers
+    the calculator; preference rows offer nothing (they stay tool-free). The calculator's own
+    value is the row's answer."""
+    from alignpipe.tools import build_toolset
+    from alignpipe.tools.calls import ToolCall
+
+    cfg = config(counts={f: {"train": 30, "validation": 0, "test": 10} for f in FAMILIES})
+    cfg["builtin"]["tasks"] = {"sort": {"weight": 1}, "calc": {"weight": 1}}
+    cfg["builtin"]["tools"] = ["calculator"]
+    prepare(cfg, Path.cwd(), tmp_path)
+    rows = read_all(tmp_path)
+    calculator = build_toolset({"tools": ["calculator"]})
+    calcs = 0
+    for fam in FAMILIES:
+        for row in (r for s in SPLITS for r in rows[fam][s]):
+            assert ("tools" in row) == (fam != "preference"), (fam, row)
+            if row["task"] != "calc" or fam != "sft":
+                continue
+            calcs += 1
+            user, call, tool, answer = row["messages"]
+            assert [t["role"] for t in row["messages"]] == ["user", "assistant", "tool", "assistant"]
+            function = call["tool_calls"][0]["function"]
+            assert (
+                function["name"] == "calculator"
+                and user["content"] == f"calc:{json.loads(function['arguments'])['expression']}"
+            )
+            value = calculator.call(ToolCall("calculator", function["arguments"])).text
+            assert tool["content"] == answer["content"] == value == builtin.solve(user["content"])
+    assert calcs > 5
+
+
+def test_calc_needs_the_calculator_and_tools_off_leaves_the_data_as_it_was(tmp_path):
+    cfg = config(counts={"sft": {"train": 10, "validation": 0, "test": 0}})
+    cfg["builtin"]["tasks"] = {"calc": {"weight": 1}}
+    with pytest.raises(ConfigError, match=r"'calc' is solved with the calculator: set builtin.tools"):
+        prepare(cfg, Path.cwd(), tmp_path / "a")
+    cfg["builtin"]["tasks"] = {"sort": {"weight": 1}}
+    cfg["builtin"]["tools"] = ["abacus"]
+    with pytest.raises(ConfigError, match="builtin.tools names 'abacus'"):
+        prepare(cfg, Path.cwd(), tmp_path / "b")
+    # An empty tools list and a calc task at weight 0 are the pipeline without tools, byte for byte.
+    plain = config(counts={"sft": {"train": 10, "validation": 0, "test": 0}})
+    prepare(plain, Path.cwd(), tmp_path / "plain")
+    plain["builtin"].update(tools=[], tasks={**{t: {} for t in builtin.TASKS}, "calc": {"weight": 0}})
+    prepare(plain, Path.cwd(), tmp_path / "off")
+    for path in sorted((tmp_path / "plain").rglob("*.*")):
+        assert path.read_bytes() == (tmp_path / "off" / path.relative_to(tmp_path / "plain")).read_bytes(), (
+            path
+        )

@@ -1,4 +1,4 @@
-"""Multi-turn tool rollouts on the local engine (engines/local/tool_rollout.py), with a real tiny
+"""Multi-turn tool rollouts (measure/tool_generation.py, GRPO's through engines/local/tool_rollout.py), with a real tiny
 policy taught to call the calculator and the real toolset: the tokens a rollout produces are the
 chat template's rendering of the conversation it had, the tool's tokens are masked out of the
 loss, and bad calls, turn limits and budgets end as the environment says."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from alignpipe import tiny
-from alignpipe.engines.local.tool_rollout import tool_rollouts
+from alignpipe.measure.tool_generation import tool_rollouts
 from alignpipe.tools import build_toolset
 
 GREEDY = {"do_sample": False}
@@ -171,7 +171,7 @@ def test_a_grpo_step_with_tools_rewards_the_final_answer_and_trains_on_policy_to
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
         advantage_settings={"normalize_rewards": True, "leave_one_out_baseline": True, "clip": (None, None)},
-        rollout_func=ToolRollouts(toolset).rollout_func(args, max_turns=3),
+        rollout_func=ToolRollouts(toolset, max_turns=3).rollout_func(args),
     )
     trainer.train()
     logged = trainer.state.log_history[0]

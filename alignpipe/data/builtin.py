@@ -23,20 +23,28 @@ rows per split from that pool, so a held-out prompt never appears in any family'
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
 from alignpipe.data.schema import FAMILIES, SPLITS, as_conversation, user_text
 from alignpipe.data.split import SplitSpec, normalize_prompt
 from alignpipe.errors import ConfigError
+from alignpipe.tools.calculator import CALCULATOR_SCHEMA
+
+# Tools a builtin row may offer (builtin.tools), by name.
+BUILTIN_TOOL_SCHEMAS = {"calculator": CALCULATOR_SCHEMA}
 
 TASKS = ("sort", "reverse", "add")  # what a builtin source without ``tasks`` draws
-VERIFIER = {"sort": "exact", "reverse": "exact", "add": "numeric"}
+VERIFIER = {"sort": "exact", "reverse": "exact", "add": "numeric", "calc": "numeric"}
 DEFAULT_TASKS: dict[str, dict[str, int]] = {
     "sort": {"min_digits": 3, "max_digits": 6, "weight": 1},
     "reverse": {"min_digits": 3, "max_digits": 6, "weight": 1},
     "add": {"min_digits": 1, "max_digits": 3, "weight": 1},
     "chat": {"min_digits": 3, "max_digits": 5, "weight": 1},
+    # calc:4821+3597 -> 8418, solved with the calculator tool (needs builtin.tools: [calculator]):
+    # the sft row calls it, reads its result and answers.
+    "calc": {"min_digits": 3, "max_digits": 4, "weight": 1},
 }
 # chat: the system turn, and the tasks its earlier exchange and its question are drawn from.
 CHAT_SYSTEM = {"plain": "Digits only.", "boxed": "Answer briefly."}
@@ -50,6 +58,7 @@ WORDED = {
     "sort": "Sort the digits of {arg} in ascending order.",
     "reverse": "Write the digits of {arg} in reverse order.",
     "add": "What is {a} + {b}?",
+    "calc": "What is {a} + {b}? Use the calculator.",
 }
 BOX_INSTRUCTION = " Put the final answer in \\boxed{}."
 
@@ -72,7 +81,7 @@ def solve(prompt: str) -> str:
         return "".join(sorted(arg))
     if task == "reverse":
         return arg[::-1]
-    if task == "add":
+    if task in ("add", "calc"):
         a, _, b = arg.partition("+")
         return str(int(a) + int(b))
     raise ValueError(f"not a builtin task prompt: {prompt!r}")
@@ -93,8 +102,8 @@ def make_instance(task: str, spec: dict[str, int], rng: random.Random) -> tuple[
     if task in ("sort", "reverse"):
         s = "".join(rng.choice(DIGITS) for _ in range(rng.randint(lo, hi)))
         prompt = f"{task}:{s}"
-    elif task == "add":
-        prompt = f"add:{_operand(rng, rng.randint(lo, hi))}+{_operand(rng, rng.randint(lo, hi))}"
+    elif task in ("add", "calc"):
+        prompt = f"{task}:{_operand(rng, rng.randint(lo, hi))}+{_operand(rng, rng.randint(lo, hi))}"
     else:
         raise ConfigError(f"prep config: unknown builtin task '{task}'; known: {', '.join(DEFAULT_TASKS)}")
     return prompt, solve(prompt)
@@ -199,8 +208,19 @@ def builtin_spec(src: dict[str, Any], defaults: dict[str, Any] | None) -> dict[s
     style = spec.get("style", "plain")
     if style not in STYLES:
         raise ConfigError(f"prep config: builtin.style '{style}' is not one of {', '.join(STYLES)}")
-    return {"seed": int(spec.get("seed", 0)), "tasks": tasks, "counts": counts, "degenerate_negatives": fraction,
-            "style": style}  # fmt: skip
+    tools = list(spec.get("tools") or [])
+    unknown = sorted(set(tools) - set(BUILTIN_TOOL_SCHEMAS))
+    if unknown:
+        raise ConfigError(
+            f"prep config: builtin.tools names {unknown[0]!r}; the builtin rows can offer {', '.join(BUILTIN_TOOL_SCHEMAS)}"
+        )
+    if "calc" in tasks and "calculator" not in tools:
+        raise ConfigError(
+            "prep config: the builtin task 'calc' is solved with the calculator: set builtin.tools: [calculator]"
+        )
+    out = {"seed": int(spec.get("seed", 0)), "tasks": tasks, "counts": counts, "degenerate_negatives": fraction,
+           "style": style}  # fmt: skip
+    return {**out, "tools": tools} if tools else out  # absent when off: the manifest stays as it was
 
 
 def _pool(spec: dict[str, Any], split: SplitSpec) -> dict[str, list[tuple[str, Question, str]]]:
@@ -276,11 +296,14 @@ def family_row(
     shown = conversation(task, prompt, spec.get("style", "plain"))
     question = prompt[1] if task == "chat" else prompt  # the turn the answer answers
     verifier = VERIFIER[question.partition(":")[0]]
+    # builtin.tools: every sft and rl row offers them, so a policy learns when to call (calc) and
+    # when not (the rest), and rolls out with the prompt it was taught on.
+    offered = {"tools": [BUILTIN_TOOL_SCHEMAS[t] for t in spec["tools"]]} if spec.get("tools") else {}
     if fam == "sft":
-        return {
-            "task": task,
-            "messages": [*as_conversation(shown), {"role": "assistant", "content": wrap(answer)}],
-        }
+        solved = [{"role": "assistant", "content": wrap(answer)}]
+        if task == "calc":
+            solved = [*calculator_turns(question.partition(":")[2], answer), *solved]
+        return {"task": task, "messages": [*as_conversation(shown), *solved], **offered}
     if fam == "preference":
         # Draw only when enabled, so fraction 0 leaves the data byte-identical.
         fraction = spec.get("degenerate_negatives", 0.0)
@@ -289,7 +312,19 @@ def family_row(
         else:
             rejected = corrupt(answer, rng, numeric=verifier == "numeric")
         return {"task": task, "prompt": shown, "chosen": wrap(answer), "rejected": wrap(rejected)}
-    row = {"task": task, "prompt": shown, "answer": answer, "verifier": verifier}
+    row = {"task": task, "prompt": shown, "answer": answer, "verifier": verifier, **offered}
     if spec.get("style") == "boxed":
         row["extract"] = "boxed"
     return row
+
+
+def calculator_turns(expression: str, value: str) -> list[dict[str, Any]]:
+    """The assistant's call of the calculator on ``expression`` and the tool turn with its value."""
+    call = {
+        "type": "function",
+        "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})},
+    }
+    return [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "calculator", "content": value},
+    ]

@@ -27,6 +27,7 @@ _RL_FIELDS = {
     "verifier": "str (" + "|".join(VERIFIERS) + ")",
     "tests": "list[str] (optional; required when verifier is code)",
     "extract": "str (optional; boxed: exact/numeric score the completion's last \\boxed{...})",
+    "tools": "list[tool schema] (optional; the tools a tool rollout offers, alignpipe.tools)",
 }
 
 # Field names and types per family, as recorded in manifest.json.

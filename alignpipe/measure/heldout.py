@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from alignpipe.context import StageContext, scratch_root
+from alignpipe.errors import ConfigError, UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.generation import Prompt, generate, generate_vllm, model_system_prompt
 from alignpipe.measure.intervals import interval_of
@@ -76,6 +77,8 @@ class HeldoutSamples:
 
 def sampling_key(rows: list[dict[str, Any]], settings: Heldout, system: str | None = None) -> str:
     sampling = {k: getattr(settings, k) for k in SAMPLING_KEYS}
+    if offered_tools(rows):  # rows without tools keep the key they had before tools
+        sampling["max_tool_turns"] = settings.max_tool_turns
     if settings.backend != "hf":  # hf samples keep the key they had before backends
         sampling["backend"] = settings.backend
     ids = [r.get("id") or r["prompt"] for r in rows]
@@ -176,6 +179,11 @@ def sample_heldout(
     rows = heldout_rows(ctx, settings)
     system = model_system_prompt(model_dir) if model_dir is not None else ctx.system_prompt
     if model_dir is not None and drawing_backend(settings) == "vllm":
+        if offered_tools(rows):
+            raise UnsupportedSetting(
+                f"{settings.data_path}: its rows offer tools, which held-out sampling runs on the hf backend "
+                "only: set alignpipe.heldout.backend: hf"
+            )
         completions = vllm_completions(ctx, Path(model_dir), rows, settings, system)
     else:  # the stage's own policy (in memory, not published yet) is sampled with transformers
         completions = heldout_completions(model, tokenizer, rows, settings, system)
@@ -210,11 +218,39 @@ def vllm_engine(settings: Heldout) -> dict[str, Any]:
 def heldout_completions(
     model, tokenizer, rows: list[dict[str, Any]], settings: Heldout, system: str | None = None
 ) -> list[str]:
-    """The seeded samples ``heldout_accuracy`` scores (one per row), from ``alignpipe.heldout`` settings."""
+    """The seeded samples ``heldout_accuracy`` scores (one per row), from ``alignpipe.heldout``
+    settings. Rows that offer tools are rolled out with them (``max_tool_turns`` turns,
+    ``max_new_tokens`` for all of them); the sample is then the final answer."""
     prompts = [r["prompt"] for r in rows]
-    return generate(
-        model, tokenizer, prompts, **sampling_args(settings), batch_size=settings.batch_size, system=system
-    )
+    names = offered_tools(rows)
+    if not names:
+        return generate(
+            model,
+            tokenizer,
+            prompts,
+            **sampling_args(settings),
+            batch_size=settings.batch_size,
+            system=system,
+        )
+    from alignpipe.measure.tool_generation import generate_with_tools
+    from alignpipe.tools import BUILTIN_TOOLS, build_toolset
+
+    unknown = [n for n in names if n not in BUILTIN_TOOLS]
+    if unknown:
+        raise ConfigError(
+            f"{settings.data_path}: held-out rows offer {unknown[0]!r}; held-out sampling runs the builtin "
+            f"tools ({', '.join(BUILTIN_TOOLS)}) only"
+        )
+    rollouts = generate_with_tools(
+        model, tokenizer, prompts, build_toolset({"tools": names}), max_turns=settings.max_tool_turns,
+        **sampling_args(settings), batch_size=settings.batch_size, system=system,
+    )  # fmt: skip
+    return ["" if r.answer is None else r.answer for r in rollouts]
+
+
+def offered_tools(rows: Iterable[dict[str, Any]]) -> list[str]:
+    """The names of the tools the rows offer (prep's ``tools`` column), sorted."""
+    return sorted({t.get("function", t)["name"] for r in rows for t in r.get("tools") or []})
 
 
 def sampling_args(settings: Heldout) -> dict[str, Any]:

@@ -77,18 +77,26 @@ def config_file(ctx: StageContext) -> str:
     return f"stages/{ctx.name}/config/{ctx.profile}.yaml (or params.yaml)"
 
 
-def refuse_unsupported_grpo(ctx: StageContext, tools: bool = False) -> None:
+def refuse_unsupported_grpo(ctx: StageContext) -> None:
     """Fail with every GRPO setting the local engine would silently ignore, not just the first.
-    ``grpo.max_rollout_turns`` above 1 needs ``tools``: the only environment that answers a turn."""
+    Turns come from ``alignpipe.tools`` (the only environment that answers a turn): a
+    ``grpo.max_rollout_turns`` above 1 without tools, or disagreeing with them, is refused."""
     refuse_gpu_only_settings(ctx)
     problems = [
         f"{key}={get_path(ctx.config, key)!r}: {why}"
         for key, allowed, why in _UNSUPPORTED
         if get_path(ctx.config, key) not in allowed
     ]
-    turns = get_path(ctx.config, "grpo.max_rollout_turns")
-    if not tools and turns not in (None, 1):
-        problems.append(f"grpo.max_rollout_turns={turns!r}: a second turn answers a tool call; turn tools on")
+    turns, tools = get_path(ctx.config, "grpo.max_rollout_turns"), ctx.settings.tools
+    if not tools.enabled and turns not in (None, 1):
+        problems.append(
+            f"grpo.max_rollout_turns={turns!r}: a second turn answers a tool call; name tools in alignpipe.tools"
+        )
+    elif tools.enabled and turns not in (None, 1, tools.max_rollout_turns):
+        problems.append(
+            f"grpo.max_rollout_turns={turns!r} disagrees with alignpipe.tools.max_rollout_turns="
+            f"{tools.max_rollout_turns}: set the turn limit there"
+        )
     if problems:
         raise UnsupportedSetting(
             f"stage '{ctx.name}' (profile '{ctx.profile}') sets GRPO options the local engine cannot honour:\n  - "
@@ -578,18 +586,18 @@ def run_grpo(
     *,
     data_key: str = "data.train.data_path",
     after_training: Callable[[Any, Any, Any, dict], dict[str, Any]] | None = None,
-    tools: ToolRollouts | None = None,
 ) -> dict[str, float]:
     """Train, evaluate against the SFT reference, publish ``policy_out``. Returns the flat metrics.
 
-    With ``tools``, rollouts are multi-turn (engines/local/tool_rollout.py): the policy may call
-    them, up to ``grpo.max_rollout_turns`` turns, and the reward reads its final answer.
+    With ``alignpipe.tools``, rollouts are multi-turn (engines/local/tool_rollout.py): the policy
+    may call them, up to ``alignpipe.tools.max_rollout_turns`` turns; the reward reads its answer.
 
     ``after_training(live, samples, reference_samples, measures)`` lets a stage add its own
     held-out metrics (rlhf: reward-model scores) before the summary is written, and per-sample
     measures to publish with the samples (``heldout.measures_file``).
     """
-    refuse_unsupported_grpo(ctx, tools=tools is not None)  # before the imports: fails in a second
+    refuse_unsupported_grpo(ctx)  # before the imports below: a refused setting fails in a second
+    tools = ToolRollouts.from_settings(ctx.settings.tools, config_file(ctx))
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -621,7 +629,7 @@ def run_grpo(
     rollout = {}
     if tools is not None:
         reward_fn.malformed_penalty = tools.malformed_penalty
-        rollout = {"rollout_func": tools.rollout_func(args, int(get_path(cfg, "grpo.max_rollout_turns")))}
+        rollout = {"rollout_func": tools.rollout_func(args)}
     trainer = trainer_cls(
         model=model,
         reward_funcs=[reward_fn],

@@ -1,11 +1,6 @@
-"""Multi-turn GRPO rollouts in which the policy calls tools, on the local engine.
-
-The loop of NeMo-RL v0.7.0's ``run_multi_turn_rollout``, with the policy generating through
-transformers: each turn the active rollouts generate until their end-of-turn token, the
-environment (:func:`alignpipe.tools.episode.respond`, shared with the NeMo-RL engine) runs
-every call of the batch at once, and a rollout that called a tool gets the observation's tokens
-(its raw text tokenised, as NeMo-RL does) and its next turn. A rollout ends when it answers
-without a call, at ``max_turns``, or when its tokens reach the completion budget.
+"""Multi-turn GRPO rollouts in which the policy calls tools, on the local engine: the loop of
+:mod:`alignpipe.measure.tool_generation` (NeMo-RL's ``run_multi_turn_rollout``) as TRL's
+``rollout_func``.
 
 It plugs into TRL's ``GRPOTrainer`` as its public ``rollout_func``: the completion is every
 token after the prompt, policy and tool alike, and ``env_mask`` (TRL's name; the trainer's
@@ -16,106 +11,13 @@ calls.
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from alignpipe.tools.batch import ToolStats
-from alignpipe.tools.episode import respond
+from alignpipe.measure.tool_generation import tool_rollouts
 from alignpipe.tools.toolset import Toolset
 
-__all__ = ["Rollout", "ToolRollouts", "make_rollout_func", "tool_rollouts"]
-
-
-@dataclass
-class Rollout:
-    """One rollout's tokens and what happened in it. ``env_mask`` is 1 on the policy's tokens."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int] = field(default_factory=list)
-    env_mask: list[int] = field(default_factory=list)
-    answer: str | None = None  # the final turn without its calls; None when cut off mid-call
-    turns: int = 0
-    calls: int = 0
-    malformed: int = 0
-    done: bool = False
-
-    def extend(self, ids: list[int], policy: bool) -> None:
-        self.completion_ids.extend(ids)
-        self.env_mask.extend([int(policy)] * len(ids))
-
-
-def _generate_turn(model, tokenizer, rollouts: list[Rollout], max_new_tokens: int, sampling: dict[str, Any]):
-    """Each rollout's next assistant turn: new token ids up to and including the end-of-turn
-    token (or the budget), from its prompt and completion so far (left-padded together)."""
-    import torch
-
-    rows = [r.prompt_ids + r.completion_ids for r in rollouts]
-    width = max(map(len, rows))
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows])
-    attention = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
-    limits = {"max_new_tokens": max_new_tokens, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": pad}
-    if "generation_config" in sampling:  # the trainer's: a copy with this turn's limits
-        settings = {"generation_config": copy.deepcopy(sampling["generation_config"])}
-        settings["generation_config"].update(**limits)
-    else:
-        settings = {**sampling, **limits}
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=attention, **settings)
-    turns = []
-    for row in out[:, width:].tolist():
-        if tokenizer.eos_token_id in row:
-            row = row[: row.index(tokenizer.eos_token_id) + 1]
-        turns.append(row)
-    return turns
-
-
-def tool_rollouts(
-    model,
-    tokenizer,
-    prompt_ids: list[list[int]],
-    toolset: Toolset,
-    *,
-    max_turns: int,
-    max_completion_tokens: int,
-    sampling: dict[str, Any],
-) -> tuple[list[Rollout], ToolStats]:
-    """Roll every prompt out until it answers, runs out of turns or fills its budget."""
-    rollouts = [Rollout(list(ids)) for ids in prompt_ids]
-    stats = ToolStats()
-    eos = tokenizer.eos_token_id
-    for turn in range(max_turns):
-        active = [r for r in rollouts if not r.done]
-        if not active:
-            break
-        budget = max(max_completion_tokens - len(r.completion_ids) for r in active)
-        generated = _generate_turn(model, tokenizer, active, budget, sampling)
-        for r, ids in zip(active, generated, strict=True):
-            ids = ids[: max_completion_tokens - len(r.completion_ids)]
-            r.extend(ids, policy=True)
-            r.turns += 1
-        texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
-        # A turn cut by the budget (no end-of-turn token) ends its rollout: nothing is left to answer with.
-        cut = [r.completion_ids[-1:] != [eos] for r in active]
-        answers, turn_stats = respond(tokenizer, toolset, texts, last_turn=turn == max_turns - 1)
-        stats.calls += turn_stats.calls
-        stats.truncated += turn_stats.truncated
-        stats.seconds += turn_stats.seconds
-        for kind, n in turn_stats.errors.items():
-            stats.errors[kind] = stats.errors.get(kind, 0) + n
-        for r, answer, was_cut in zip(active, answers, cut, strict=True):
-            r.calls += len(answer.calls)
-            r.malformed += answer.malformed
-            if answer.done or was_cut:
-                r.done, r.answer = True, None if was_cut else answer.answer
-                continue
-            obs = tokenizer(answer.observation, add_special_tokens=False)["input_ids"]
-            room = max_completion_tokens - len(r.completion_ids)
-            r.extend(obs[:room], policy=False)
-            if len(obs) >= room:  # no room left to answer after the observation
-                r.done = True
-    return rollouts, stats
+__all__ = ["ToolRollouts", "make_rollout_func"]
 
 
 def make_rollout_func(toolset: Toolset, *, max_turns: int, max_completion_tokens: int):
@@ -170,15 +72,27 @@ def make_rollout_func(toolset: Toolset, *, max_turns: int, max_completion_tokens
 
 @dataclass(frozen=True)
 class ToolRollouts:
-    """What a GRPO stage needs to roll out with tools: the toolset and the reward's penalty per
-    malformed call."""
+    """What a GRPO stage needs to roll out with tools (``alignpipe.tools``): the toolset, the turn
+    limit and the reward's penalty per malformed call."""
 
     toolset: Toolset
+    max_turns: int
     malformed_penalty: float = 0.0
 
-    def rollout_func(self, args, max_turns: int):
+    @classmethod
+    def from_settings(cls, settings, where: str) -> ToolRollouts | None:
+        """The stage's ``alignpipe.tools`` (alignpipe.settings.Tools), or None when it names no
+        tool. A tool that does not exist or cannot be imported is refused here, before training."""
+        from alignpipe.tools import build_toolset
+
+        if not settings.enabled:
+            return None
+        toolset = build_toolset(settings.toolset_config(), where=f"{where}: alignpipe.tools")
+        return cls(toolset, settings.max_rollout_turns, settings.malformed_penalty)
+
+    def rollout_func(self, args):
         """TRL's ``rollout_func`` for a GRPOConfig ``args``: its completion budget covers every
         turn's tokens, the tools' too (NeMo-RL bounds the whole sequence the same way)."""
         return make_rollout_func(
-            self.toolset, max_turns=max_turns, max_completion_tokens=args.max_completion_length
+            self.toolset, max_turns=self.max_turns, max_completion_tokens=args.max_completion_length
         )
