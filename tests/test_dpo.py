@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from alignpipe.artifacts import dvc_hash, read_manifest
 from alignpipe.context import build_context
 from alignpipe.engines.local import preference_pairs
+from alignpipe.engines.local.nemo_rl_keys import dpo_keys
 from alignpipe.jsonl import read_jsonl
 from tests.conftest import REPO
 
@@ -85,7 +86,9 @@ def test_validation_rewards_match_trls_own(dpo_run: Path, tmp_path: Path):
     reference = AutoModelForCausalLM.from_pretrained(dpo_run / "models" / "sft", local_files_only=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(dpo_run / "models" / "dpo", local_files_only=True)
     rows = read_jsonl(dpo_run / "data/prepared/preference/validation.jsonl")[:32]
-    pairs = preference_pairs.preference_examples(tokenizer, rows, build_context(dpo_run, "dpo").config)
+    pairs = preference_pairs.preference_examples(
+        tokenizer, rows, dpo_keys(build_context(dpo_run, "dpo")).data
+    )
     ours = preference_metrics(policy, reference, tokenizer, pairs, beta=0.1, average_log_probs=False)
 
     args = DPOConfig(
@@ -118,7 +121,7 @@ def loss_config(**dpo_knobs) -> dict:
     from alignpipe.engines.local.stages.dpo import loss_settings
 
     params = {**C.load_params(REPO), "dpo": {"dpo": dpo_knobs}}
-    return loss_settings(build_context(REPO, "dpo", params=params))
+    return loss_settings(dpo_keys(build_context(REPO, "dpo", params=params)))
 
 
 def test_nemo_rl_loss_keys_map_to_trl_loss_types():

@@ -197,11 +197,12 @@ def upstream(tokenizers, nemo_rl_runtime, tmp_path_factory) -> dict[tuple[str, s
 
 @pytest.mark.parametrize("profile", ["tiny", "small", "tools"])
 def test_sft_tokens_and_masks_equal_nemo_rls(profile, tokenizers, upstream) -> None:
+    from alignpipe.engines.local.nemo_rl_keys import ProfileKeys, sft_data_keys
     from alignpipe.engines.local.stages.sft import sft_examples
 
     cfg, theirs = upstream[("sft", profile)]["config"], upstream[("sft", profile)]["rows"]
     rows = sft_rows(cfg, profile)
-    ours = sft_examples(load_tokenizer(tokenizers[profile]), rows, cfg)
+    ours = sft_examples(load_tokenizer(tokenizers[profile]), rows, sft_data_keys(ProfileKeys(cfg, profile)))
     assert len(ours) == len(theirs) == len(rows)
     for i, (mine, up) in enumerate(zip(ours, theirs, strict=True)):
         assert mine["input_ids"] == up["input_ids"], i
@@ -219,10 +220,11 @@ def test_sft_tokens_and_masks_equal_nemo_rls(profile, tokenizers, upstream) -> N
 
 def test_a_template_that_cannot_render_tools_is_refused_naming_it(tokenizers) -> None:
     """Transformers' templates drop what they do not know: SmolLM2's would train the calls away."""
+    from alignpipe.engines.local.nemo_rl_keys import SftDataKeys
     from alignpipe.engines.local.stages.sft import sft_examples
     from alignpipe.errors import DataError
 
-    cfg = {"data": {"max_input_seq_length": 512}}
+    cfg = SftDataKeys(max_input_seq_length=512, add_bos=True, add_eos=True, add_generation_prompt=False)
     with pytest.raises(DataError) as info:
         sft_examples(load_tokenizer(tokenizers["small"]), [{"messages": SFT_ROWS[0]}, *TOOL_ROWS], cfg, where="sft/train.jsonl")  # fmt: skip
     msg = str(info.value)
@@ -232,11 +234,13 @@ def test_a_template_that_cannot_render_tools_is_refused_naming_it(tokenizers) ->
 @pytest.mark.parametrize("stage", ["dpo", "rm"])
 @pytest.mark.parametrize("profile", ["tiny", "small"])
 def test_preference_tokens_and_masks_equal_nemo_rls(stage, profile, tokenizers, upstream) -> None:
+    from alignpipe.engines.local.nemo_rl_keys import ProfileKeys, preference_data_keys
     from alignpipe.engines.local.preference_pairs import preference_examples
 
     cfg, theirs = upstream[(stage, profile)]["config"], upstream[(stage, profile)]["rows"]
     rows = preference_rows(cfg)
-    ours = preference_examples(load_tokenizer(tokenizers[profile]), rows, cfg)
+    data = preference_data_keys(ProfileKeys(cfg, profile))
+    ours = preference_examples(load_tokenizer(tokenizers[profile]), rows, data)
     assert len(ours) == len(theirs) == len(rows)
     for i, (mine, up) in enumerate(zip(ours, theirs, strict=True)):
         assert mine["weight"] == up["weight"], i

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignpipe.engines.local.grpo import advantage_settings
+from alignpipe.engines.local.nemo_rl_keys import advantage_settings, grpo_keys
 from alignpipe.errors import ConfigError, UnsupportedSetting
 from alignpipe.rl.advantages import step_advantages
 from tests.test_nemo_rl_render import rendered
@@ -196,8 +196,8 @@ def local_trainer(loss_fn: dict, policy: Path, tmp: Path):
         args=args,
         train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "sort 21"}]}]),
         processing_class=tokenizer,
-        advantage_settings=grpo.advantage_settings(ctx.config),
-        kl_settings=grpo.kl_settings(ctx.config),
+        advantage_settings=dict(grpo_keys(ctx).advantages),
+        kl_settings=grpo_keys(ctx).loss_fn.kl_settings,
     )
     return trainer, ctx
 

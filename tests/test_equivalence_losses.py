@@ -44,6 +44,7 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
 def test_dpo_loss_and_gradient_equal_nemo_rls(models, nemo_rl_runtime, tmp_path: Path) -> None:
     from trl import DPOConfig
 
+    from alignpipe.engines.local import nemo_rl_keys as K
     from alignpipe.engines.local.preference_pairs import preference_examples
     from alignpipe.engines.local.stages import dpo as D
     from alignpipe.measure.logprobs import load_policy
@@ -55,11 +56,11 @@ def test_dpo_loss_and_gradient_equal_nemo_rls(models, nemo_rl_runtime, tmp_path:
         cfg = {**base, "dpo": {**base["dpo"], **knobs}}
         policy, tokenizer = load_policy(policy_dir)
         reference, _ = load_policy(reference_dir)
-        settings = D.loss_settings(type("Ctx", (), {"config": cfg, "name": "dpo", "profile": "tiny"})())
+        settings = D.loss_settings(K.read_stage_keys(cfg, "dpo", "the rendered dpo config").algorithm)
         sft = settings.pop("sft")
         args = DPOConfig(output_dir=str(tmp_path / name), report_to=[], use_cpu=True, disable_dropout=True,
                          precompute_ref_log_probs=False, **settings)  # fmt: skip
-        pairs = preference_examples(tokenizer, PAIRS, cfg)
+        pairs = preference_examples(tokenizer, PAIRS, K.preference_data_keys(K.ProfileKeys(cfg, "dpo")))
         rows = D.trl_pairs(pairs)
         trainer = D.make_trainer_class()(
             sft=sft, model=policy, ref_model=reference, args=args, processing_class=tokenizer,
@@ -117,6 +118,7 @@ def test_sft_loss_and_gradient_equal_nemo_rls_nll(models, nemo_rl_runtime, tmp_p
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
+    from alignpipe.engines.local.nemo_rl_keys import ProfileKeys, sft_data_keys
     from alignpipe.engines.local.stages.sft import sft_examples
     from alignpipe.measure.logprobs import load_policy
 
@@ -128,7 +130,9 @@ def test_sft_loss_and_gradient_equal_nemo_rls_nll(models, nemo_rl_runtime, tmp_p
         [{"role": "user", "content": "reverse abcdef"}, {"role": "assistant", "content": "fedcba"}],
         [{"role": "user", "content": "9" * limit}, {"role": "assistant", "content": "1"}],  # weight 0
     ]
-    rows = sft_examples(tokenizer, [{"messages": m} for m in conversations], cfg)
+    rows = sft_examples(
+        tokenizer, [{"messages": m} for m in conversations], sft_data_keys(ProfileKeys(cfg, "sft"))
+    )
     args = SFTConfig(output_dir=str(tmp_path / "sft"), report_to=[], use_cpu=True, completion_only_loss=True,
                      packing=False, max_length=None)  # as sft.run: the rows already follow NeMo-RL's length rule  # fmt: skip
     trainer = SFTTrainer(
@@ -161,6 +165,7 @@ def test_rm_loss_and_gradient_equal_nemo_rls_preference_loss(models, nemo_rl_run
     from transformers import AutoTokenizer
     from trl import RewardConfig, RewardTrainer
 
+    from alignpipe.engines.local.nemo_rl_keys import ProfileKeys, preference_data_keys
     from alignpipe.engines.local.preference_pairs import preference_examples
     from alignpipe.engines.local.stages.rm import load_reward_model
 
@@ -168,7 +173,7 @@ def test_rm_loss_and_gradient_equal_nemo_rls_preference_loss(models, nemo_rl_run
     torch.manual_seed(0)
     model = load_reward_model(str(models[0]), tokenizer)
     cfg = rendered("rm", "tiny", tmp_path)
-    pairs = preference_examples(tokenizer, PAIRS, cfg)
+    pairs = preference_examples(tokenizer, PAIRS, preference_data_keys(ProfileKeys(cfg, "rm")))
     rows = [{"chosen_ids": p["chosen_input_ids"], "rejected_ids": p["rejected_input_ids"]} for p in pairs]
     args = RewardConfig(output_dir=str(tmp_path / "rm"), report_to=[], use_cpu=True, disable_dropout=True,
                         max_length=int(cfg["policy"]["max_total_sequence_length"]))  # fmt: skip

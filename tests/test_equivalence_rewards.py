@@ -215,6 +215,7 @@ def test_rlhf_reward_model_scores_what_rm_trained_on(profile, rm_upstream, token
     reward model give the same score."""
     from transformers import AutoTokenizer
 
+    from alignpipe.engines.local.nemo_rl_keys import PreferenceDataKeys
     from alignpipe.engines.local.preference_pairs import preference_examples
     from alignpipe.measure.reward_model import conversation_token_ids
 
@@ -225,7 +226,10 @@ def test_rlhf_reward_model_scores_what_rm_trained_on(profile, rm_upstream, token
     pairs = [
         {"prompt": p, "chosen": c, "rejected": "x"} for p, c in zip(prompts, RM_COMPLETIONS, strict=True)
     ]
-    trained = preference_examples(tokenizer, pairs, {"data": {"max_input_seq_length": 4096}})
+    data = PreferenceDataKeys(
+        max_input_seq_length=4096, prompt_key="prompt", chosen_key="chosen", rejected_key="rejected"
+    )
+    trained = preference_examples(tokenizer, pairs, data)
     assert [p["chosen_input_ids"] for p in trained] == theirs
     text = tokenizer.decode(theirs[0])
     assert text.count("sort 312") == 1 and "\\boxed{123}" in text  # templated once
@@ -280,7 +284,7 @@ def test_one_grpo_rollout_through_nemo_rls_loop_gives_the_local_rewards_and_adva
     import torch
     from transformers import AutoTokenizer
 
-    from alignpipe.engines.local.grpo import advantage_settings
+    from alignpipe.engines.local.nemo_rl_keys import advantage_settings
     from alignpipe.rl.advantages import step_advantages
 
     theirs = rollout_upstream[profile]

@@ -37,7 +37,7 @@ def test_local_lr_schedule_equals_nemo_rls(stage: str, profile: str, tmp_path: P
     theirs_opt = torch.optim.SGD([param], lr=1.0)
     theirs = nemo_rl_scheduler(theirs_opt, entries)
     ours_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    ours = torch.optim.lr_scheduler.LambdaLR(ours_opt, lr_factor(cfg))
+    ours = torch.optim.lr_scheduler.LambdaLR(ours_opt, lr_factor(entries))
     warmup = max(e.get("milestones", [0])[0] for e in entries if "milestones" in e)
     seen = []
     for _ in range(warmup + 5):
@@ -51,10 +51,6 @@ def test_local_lr_schedule_equals_nemo_rls(stage: str, profile: str, tmp_path: P
 
 
 def test_other_schedulers_are_refused() -> None:
-    cfg = {
-        "policy": {
-            "scheduler": [{"name": "torch.optim.lr_scheduler.CosineAnnealingLR", "kwargs": {"T_max": 10}}]
-        }
-    }
+    entries = [{"name": "torch.optim.lr_scheduler.CosineAnnealingLR", "kwargs": {"T_max": 10}}]
     with pytest.raises(UnsupportedSetting, match="CosineAnnealingLR.*LinearLR and ConstantLR"):
-        lr_factor(cfg)
+        lr_factor(entries)

@@ -184,6 +184,7 @@ def test_glaive_function_calls_become_openai_tool_turns_for_sft(tmp_path):
 
 
 def test_glaive_rows_tokenise_for_the_sft_stage_with_a_template_that_renders_tools(tmp_path):
+    from alignpipe.engines.local.nemo_rl_keys import SftDataKeys
     from alignpipe.engines.local.stages.sft import sft_examples
     from alignpipe.tiny import train_tokenizer
     from tests.test_equivalence_data import TOOLS_TEMPLATE
@@ -191,8 +192,8 @@ def test_glaive_rows_tokenise_for_the_sft_stage_with_a_template_that_renders_too
     rows = rows_of(tmp_path, "sft", path="glaive.jsonl", format="sharegpt")
     tokenizer = train_tokenizer(["".join(chr(c) for c in range(32, 127))], "char")
     tokenizer.chat_template = TOOLS_TEMPLATE
-    cfg = {"data": {"max_input_seq_length": 4096, "add_bos": False, "add_eos": True}}
-    examples = sft_examples(tokenizer, rows, cfg, where="glaive.jsonl")
+    data = SftDataKeys(max_input_seq_length=4096, add_bos=False, add_eos=True, add_generation_prompt=False)
+    examples = sft_examples(tokenizer, rows, data, where="glaive.jsonl")
     call = next(e for r, e in zip(rows, examples, strict=True) if "4*5" in json.dumps(r["messages"]))
     trained = tokenizer.decode(
         [t for t, m in zip(call["input_ids"], call["completion_mask"], strict=True) if m]

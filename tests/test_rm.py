@@ -71,9 +71,10 @@ def test_rm_reloads_as_a_classifier_and_records_lineage(rm_run: Path):
 
     # The reloaded model reproduces the published validation accuracy.
     from alignpipe.context import build_context
+    from alignpipe.engines.local.nemo_rl_keys import rm_keys
 
     rows = read_jsonl(rm_run / "data" / "prepared" / "preference" / "validation.jsonl")
-    pairs = preference_pairs.preference_examples(tokenizer, rows, build_context(rm_run, "rm").config)
+    pairs = preference_pairs.preference_examples(tokenizer, rows, rm_keys(build_context(rm_run, "rm")).data)
     again = pairwise_metrics(model, tokenizer, pairs)
     published = json.loads((rm_run / "results" / "rm" / "metrics.json").read_text())["val"]
     assert again["val_pairwise_accuracy"] == pytest.approx(published["pairwise_accuracy"], abs=1e-6)

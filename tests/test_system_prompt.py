@@ -10,6 +10,7 @@ import pytest
 
 from alignpipe.context import read_system_prompt
 from alignpipe.engines.local.grpo import conversational
+from alignpipe.engines.local.nemo_rl_keys import PreferenceDataKeys, SftDataKeys
 from alignpipe.engines.local.preference_pairs import preference_examples
 from alignpipe.engines.local.stages.sft import sft_examples
 from alignpipe.errors import ConfigError
@@ -46,9 +47,12 @@ def test_every_training_format_starts_with_the_system_turn():
     from alignpipe.tiny import train_tokenizer
 
     tokenizer = train_tokenizer(["".join(chr(c) for c in range(32, 127))], "char")
-    cfg = {"data": {"max_input_seq_length": 200, "add_bos": False}}
+    data = SftDataKeys(max_input_seq_length=200, add_bos=False, add_eos=True, add_generation_prompt=False)
+    pair_data = PreferenceDataKeys(
+        max_input_seq_length=200, prompt_key="prompt", chosen_key="chosen", rejected_key="rejected"
+    )
     qa = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    (row,) = sft_examples(tokenizer, [{"messages": qa}], cfg, SYSTEM)
+    (row,) = sft_examples(tokenizer, [{"messages": qa}], data, SYSTEM)
     text = tokenizer.decode(row["input_ids"])
     assert text.index(SYSTEM) < text.index("q") < text.index("a")
     assert tokenizer.decode(
@@ -57,9 +61,11 @@ def test_every_training_format_starts_with_the_system_turn():
     # A conversation with its own system turn keeps it.
     own = [{"role": "system", "content": "mine"}, *qa]
     assert SYSTEM not in tokenizer.decode(
-        sft_examples(tokenizer, [{"messages": own}], cfg, SYSTEM)[0]["input_ids"]
+        sft_examples(tokenizer, [{"messages": own}], data, SYSTEM)[0]["input_ids"]
     )
-    (pair,) = preference_examples(tokenizer, [{"prompt": "q", "chosen": "a", "rejected": "b"}], cfg, SYSTEM)
+    (pair,) = preference_examples(
+        tokenizer, [{"prompt": "q", "chosen": "a", "rejected": "b"}], pair_data, SYSTEM
+    )
     assert tokenizer.decode(pair["rejected_input_ids"]).index(SYSTEM) < tokenizer.decode(
         pair["rejected_input_ids"]
     ).index("q")

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from alignpipe import console
-from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, publish
 from alignpipe.engines.local.live_log import replay_history
+from alignpipe.engines.local.nemo_rl_keys import stage_keys
 from alignpipe.engines.local.schedule import use_nemo_rl_schedule
 
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
@@ -41,7 +41,9 @@ def train_resumable(ctx: StageContext, trainer, live, rename: dict[str, str]) ->
     uninterrupted run's (``log_at_checkpoints``; tests/test_resume.py).
     """
     show_progress(ctx, trainer)
-    use_nemo_rl_schedule(trainer, ctx.config, f"stages/{ctx.name}/config/{ctx.profile}.yaml")
+    use_nemo_rl_schedule(
+        trainer, stage_keys(ctx).policy.scheduler, f"stages/{ctx.name}/config/{ctx.profile}.yaml"
+    )
     trainer.add_callback(log_at_checkpoints())
     resume = latest_checkpoint(ctx.scratch_dir)
     if resume is not None:
@@ -105,16 +107,12 @@ def restore_finished_run(trainer, checkpoint: Path) -> bool:
 
 
 def train_then_validate(
-    ctx: StageContext, trainer, live, rename: dict[str, str], validation, algo: str, has_validation: bool
+    ctx: StageContext, trainer, live, rename: dict[str, str], validation, has_validation: bool
 ):
     """``train_resumable``, then one last validation (``<algo>.val_at_end``) unless the last
     step already ran one; returns the trained model."""
     train_resumable(ctx, trainer, live, rename)
-    if (
-        has_validation
-        and get_path(ctx.config, f"{algo}.val_at_end", True)
-        and not validation.ran_at(trainer.state)
-    ):
+    if has_validation and stage_keys(ctx).algorithm.val_at_end and not validation.ran_at(trainer.state):
         validation.run(trainer.model, trainer.state)
     return trainer.model
 

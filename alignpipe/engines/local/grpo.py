@@ -28,11 +28,12 @@ from alignpipe.context import StageContext
 from alignpipe.data.schema import as_conversation
 from alignpipe.engines.local import live_log, lora
 from alignpipe.engines.local.checkpoints import publish_trained, train_resumable
+from alignpipe.engines.local.nemo_rl_keys import ProfileKeys, config_file, grpo_keys, stage_keys
 from alignpipe.engines.local.tool_rollout import ToolRollouts
 from alignpipe.engines.local.torch_threads import apply_torch_threads
 from alignpipe.engines.local.trl_args import refuse_gpu_only_settings, trl_common_args
 from alignpipe.engines.local.trl_seams import Seams
-from alignpipe.errors import ConfigError, NoLearningSignal, UnsupportedSetting
+from alignpipe.errors import NoLearningSignal, UnsupportedSetting
 from alignpipe.jsonl import read_jsonl
 from alignpipe.measure.generation import generate, prompt_messages
 from alignpipe.measure.heldout import (
@@ -73,14 +74,11 @@ _UNSUPPORTED: list[tuple[str, tuple[Any, ...], str]] = [
 ]
 
 
-def config_file(ctx: StageContext) -> str:
-    return f"stages/{ctx.name}/config/{ctx.profile}.yaml (or params.yaml)"
-
-
 def refuse_unsupported_grpo(ctx: StageContext) -> None:
     """Fail with every GRPO setting the local engine would silently ignore, not just the first.
     Turns come from ``alignpipe.tools`` (the only environment that answers a turn): a
-    ``grpo.max_rollout_turns`` above 1 without tools, or disagreeing with them, is refused."""
+    ``grpo.max_rollout_turns`` above 1 without tools, or disagreeing with them, is refused.
+    Read without the typed view (nemo_rl_keys): an absent key asks for none of these."""
     refuse_gpu_only_settings(ctx)
     problems = [
         f"{key}={get_path(ctx.config, key)!r}: {why}"
@@ -104,38 +102,6 @@ def refuse_unsupported_grpo(ctx: StageContext) -> None:
             + f"\nfix: change them in stages/{ctx.name}/config/{ctx.profile}.yaml (or params.yaml), "
             "or run on the NeMo-RL engine (runtime.engine=nemo_rl)."
         )
-
-
-def advantage_settings(cfg: dict[str, Any], where: str = "the stage's config") -> dict[str, Any]:
-    """``step_advantages`` settings read as NeMo-RL v0.7.0 reads them
-    (grpo.py ``_create_advantage_estimator``, ``_clip_grpo_advantages``): ``grpo.adv_estimator``
-    when the config has it, else the top-level keys with *its* fallbacks (normalise on,
-    leave-one-out off). Top-level keys that disagree with the section are refused: NeMo-RL
-    would silently ignore them."""
-    section = get_path(cfg, "grpo.adv_estimator")
-    if section is None:
-        section = {
-            "normalize_rewards": get_path(cfg, "grpo.normalize_rewards", True),
-            "use_leave_one_out_baseline": get_path(cfg, "grpo.use_leave_one_out_baseline", False),
-        }
-    settings = {}
-    for key in ("normalize_rewards", "use_leave_one_out_baseline"):
-        if key not in section:
-            raise ConfigError(
-                f"grpo.adv_estimator.{key} is missing (NeMo-RL's estimator requires it): set it in {where}"
-            )
-        top = get_path(cfg, f"grpo.{key}")
-        if top is not None and bool(top) != bool(section[key]):
-            raise UnsupportedSetting(
-                f"grpo.{key}={top!r} but grpo.adv_estimator.{key}={section[key]!r}: NeMo-RL v0.7.0 uses the "
-                f"adv_estimator section and ignores the top-level key; make them agree in {where}"
-            )
-        settings[key] = bool(section[key])
-    return {
-        "normalize_rewards": settings["normalize_rewards"],
-        "leave_one_out_baseline": settings["use_leave_one_out_baseline"],
-        "clip": (get_path(cfg, "grpo.advantage_clip_low"), get_path(cfg, "grpo.advantage_clip_high")),
-    }
 
 
 # ----------------------------------------------------------------------------- rewards
@@ -282,15 +248,6 @@ def completion_text(completion: Any) -> str:
 # ----------------------------------------------------------------------------- trainer
 
 
-def kl_settings(cfg: dict[str, Any]) -> dict[str, float | None]:
-    """The clamps of :func:`reference_kl` from ``loss_fn`` (NeMo-RL's defaults 20 and 10; null = off)."""
-    loss = get_path(cfg, "loss_fn", {}) or {}
-    return {
-        "input_clamp": loss.get("kl_input_clamp_value", 20.0),
-        "output_clamp": loss.get("kl_output_clamp_value", 10.0),
-    }
-
-
 # What AlignGRPOTrainer overrides and calls of TRL's GRPOTrainer (trl_seams.py).
 GRPO_SEAMS = Seams(
     overrides={
@@ -370,8 +327,8 @@ def make_trainer_class():
                 raise UnsupportedSetting(
                     f"GRPOConfig sets {moved}: the local GRPO loss does not implement them"
                 )
-            self.advantage_settings = advantage_settings  # see advantage_settings()
-            self.kl_settings = kl_settings or {}  # see kl_settings()
+            self.advantage_settings = advantage_settings  # see nemo_rl_keys.advantage_settings()
+            self.kl_settings = kl_settings or {}  # see nemo_rl_keys.LossFnKeys.kl_settings
 
         def _generate_and_score_completions(self, inputs):
             """Seam 1: TRL's rollout and scoring, then the advantages recomputed by
@@ -470,11 +427,10 @@ def make_trainer_class():
 
 def grpo_args(ctx: StageContext, output_dir: Path) -> dict[str, Any]:
     """GRPOConfig arguments from NeMo-RL's grpo/loss_fn/policy keys (table in stages/rlvr/README.md)."""
-    cfg = ctx.config
-    args = trl_common_args(ctx, "grpo", output_dir)
-    prompts = int(get_path(cfg, "grpo.num_prompts_per_step", 8))
-    group = int(get_path(cfg, "grpo.num_generations_per_prompt", 8))
-    global_bs = int(get_path(cfg, "policy.train_global_batch_size", prompts * group))
+    keys, grpo = stage_keys(ctx), grpo_keys(ctx)
+    args = trl_common_args(ctx, output_dir)
+    prompts, group = grpo.num_prompts_per_step, grpo.num_generations_per_prompt
+    global_bs = keys.policy.train_global_batch_size
     rollouts = prompts * group
     if rollouts % global_bs:
         raise UnsupportedSetting(
@@ -486,38 +442,33 @@ def grpo_args(ctx: StageContext, output_dir: Path) -> dict[str, Any]:
     opt_per_grpo = rollouts // global_bs
     # Validation needs validation prompts: without them run_grpo has no set to pass (NeMo-RL
     # would fail at its dataloader), so the period is ignored rather than TRL refusing to start.
-    val_period = (
-        int(get_path(cfg, "grpo.val_period", 0) or 0) if get_path(cfg, "data.validation.data_path") else 0
-    )
-    gen = get_path(cfg, "policy.generation", {}) or {}
-    loss = get_path(cfg, "loss_fn", {}) or {}
-    top_k = gen.get("top_k")
-    val_bs = int(get_path(cfg, "grpo.val_batch_size", rollouts) or rollouts)
+    val_period = grpo.val_period if keys.data.validation_path else 0
+    gen, loss = grpo.generation, grpo.loss_fn
     args.update(
-        max_steps=int(get_path(cfg, "grpo.max_num_steps", 100)) * opt_per_grpo,
+        max_steps=grpo.max_num_steps * opt_per_grpo,
         save_steps=args["save_steps"] * opt_per_grpo,
         eval_strategy="steps" if val_period else "no",
         eval_steps=val_period * opt_per_grpo if val_period else None,
-        eval_on_start=bool(val_period and get_path(cfg, "grpo.val_at_start", False)),
-        per_device_eval_batch_size=val_bs,
+        eval_on_start=bool(val_period and grpo.val_at_start),
+        per_device_eval_batch_size=grpo.val_batch_size,
         logging_steps=1,
         generation_batch_size=rollouts,
         num_generations=group,
         num_generations_eval=1,  # NeMo-RL's validate() samples each validation prompt once
-        max_completion_length=int(gen.get("max_new_tokens", 16)),
-        temperature=float(gen.get("temperature", 1.0)),
-        top_p=float(gen.get("top_p", 1.0) or 1.0),
-        top_k=int(top_k) if top_k else 0,
-        beta=float(loss.get("reference_policy_kl_penalty", 0.0) or 0.0),
-        epsilon=float(loss.get("ratio_clip_min", 0.2)),
-        epsilon_high=float(loss.get("ratio_clip_max", loss.get("ratio_clip_min", 0.2))),
-        importance_sampling_level="sequence" if loss.get("sequence_level_importance_ratios") else "token",
+        max_completion_length=gen.max_new_tokens,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        top_k=gen.top_k or 0,  # TRL's 0: no top-k, NeMo-RL's null
+        beta=loss.reference_policy_kl_penalty,
+        epsilon=loss.ratio_clip_min,
+        epsilon_high=loss.ratio_clip_max,
+        importance_sampling_level="sequence" if loss.sequence_level_importance_ratios else "token",
         # token_level_loss: a token mean over the whole global batch (DAPO); else per-sequence means.
-        loss_type="dapo" if loss.get("token_level_loss", True) else "grpo",
+        loss_type="dapo" if loss.token_level_loss else "grpo",
         # TRL's own scaling is superseded by AlignGRPOTrainer's advantages; kept consistent for its logs.
-        scale_rewards="group" if advantage_settings(cfg, config_file(ctx))["normalize_rewards"] else "none",
-        mask_truncated_completions=bool(get_path(cfg, "grpo.overlong_filtering", False)),
-        shuffle_dataset=bool(get_path(cfg, "data.shuffle", True)),
+        scale_rewards="group" if grpo.advantages["normalize_rewards"] else "none",
+        mask_truncated_completions=grpo.overlong_filtering,
+        shuffle_dataset=grpo.shuffle,
         num_iterations=1,
         log_completions=False,
         # Local generation keeps every token id; nothing to re-tokenise.
@@ -551,13 +502,11 @@ def conversational(rows: list[dict[str, Any]], system: str | None = None) -> lis
 def validation_rows(ctx: StageContext) -> list[dict[str, Any]] | None:
     """The rows GRPO validates on (the first ``grpo.max_val_samples``), or ``None`` when the
     stage does not validate (no ``grpo.val_period`` or no validation data)."""
-    cfg = ctx.config
-    val_path = get_path(cfg, "data.validation.data_path")
-    if not (val_path and int(get_path(cfg, "grpo.val_period", 0) or 0)):
+    val_path, grpo = stage_keys(ctx).data.validation_path, grpo_keys(ctx)
+    if not (val_path and grpo.val_period):
         return None
     rows = read_jsonl(ctx.root / val_path)
-    limit = get_path(cfg, "grpo.max_val_samples")
-    return rows[: int(limit)] if limit else rows
+    return rows[: grpo.max_val_samples] if grpo.max_val_samples else rows
 
 
 def policy_answers(ctx: StageContext, rows: list[dict[str, Any]]) -> list[str]:
@@ -565,17 +514,18 @@ def policy_answers(ctx: StageContext, rows: list[dict[str, Any]]) -> list[str]:
     answers are (``policy.generation``: token budget, temperature, top-p; ``grpo.seed``), with
     the stage's system prompt."""
     apply_torch_threads(ctx)  # the profile's count, whatever runs first: the same bytes anywhere
-    gen = get_path(ctx.config, "policy.generation", {}) or {}
+    grpo = grpo_keys(ctx)
+    gen = grpo.generation
     model, tokenizer = load_policy(lora.full_policy_dir(ctx, str(ctx.input("policy")), LOCAL_DTYPE))
     return generate(
         model,
         tokenizer,
         [r["prompt"] for r in rows],
-        max_new_tokens=int(gen.get("max_new_tokens", 16)),
-        temperature=float(gen.get("temperature", 1.0)),
-        top_p=float(gen.get("top_p", 1.0) or 1.0),
-        batch_size=int(get_path(ctx.config, "grpo.val_batch_size", 64) or 64),
-        seed=int(get_path(ctx.config, "grpo.seed", ctx.seed)),
+        max_new_tokens=gen.max_new_tokens,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        batch_size=grpo.val_batch_size,
+        seed=grpo.seed,
         system=ctx.system_prompt,
     )
 
@@ -601,7 +551,7 @@ def run_grpo(
     from datasets import Dataset
     from trl import GRPOConfig
 
-    cfg = ctx.config
+    grpo = grpo_keys(ctx)
     apply_torch_threads(ctx)  # ~9x less CPU per GRPO step on a busy box (benchmarks/grpo_stages.md)
     adapter = lora.lora_settings(ctx)
     policy_path = str(ctx.input("policy"))
@@ -612,7 +562,7 @@ def run_grpo(
     peft = {"peft_config": lora.peft_config(model, adapter)} if adapter else {}
     tokenizer.padding_side = "left"  # TRL generates from left-padded prompts
 
-    train_rows = read_jsonl(ctx.root / get_path(cfg, data_key))
+    train_rows = read_jsonl(ctx.root / ProfileKeys(ctx.config, config_file(ctx)).text(data_key))
     train = Dataset.from_list(conversational(train_rows, ctx.system_prompt))
     val_rows = validation_rows(ctx)
     val = Dataset.from_list(conversational(val_rows, ctx.system_prompt)) if val_rows is not None else None
@@ -621,7 +571,7 @@ def run_grpo(
     reward_fn.guard = ZeroRewardGuard(
         ctx.name,
         ctx.settings.zero_reward_batches,
-        int(get_path(cfg, "policy.generation.max_new_tokens", 16)),
+        grpo.generation.max_new_tokens,
     )
     live = live_log.open_live(ctx)
     names = local_keys(ctx.name)  # TRL log key -> pipeline metric (measure/metrics.py)
@@ -639,14 +589,14 @@ def run_grpo(
         eval_dataset=val,
         processing_class=tokenizer,
         callbacks=[live_log.make_live_callback(live, names)],
-        advantage_settings=advantage_settings(cfg, config_file(ctx)),
-        kl_settings=kl_settings(cfg),
+        advantage_settings=dict(grpo.advantages),
+        kl_settings=grpo.loss_fn.kl_settings,
         **peft,
     )
     if adapter:
-        lora.prepare(ctx, trainer.model, adapter, policy_path, int(get_path(cfg, "grpo.seed", ctx.seed)))
+        lora.prepare(ctx, trainer.model, adapter, policy_path, grpo.seed)
     train_resumable(ctx, trainer, live, names)
-    if val is not None and get_path(cfg, "grpo.val_at_end", False) and not validated(trainer.state):
+    if val is not None and grpo.val_at_end and not validated(trainer.state):
         trainer.evaluate()  # logged through the live callback, as the periodic ones are
     policy = trainer.model
     policy.eval()

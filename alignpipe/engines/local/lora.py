@@ -30,6 +30,7 @@ from pathlib import Path
 from alignpipe.adapters import merged_dir, wildcard_match
 from alignpipe.config import get_path
 from alignpipe.context import StageContext, scratch_root
+from alignpipe.engines.local.nemo_rl_keys import ProfileKeys, config_file
 from alignpipe.errors import UnsupportedSetting
 
 LORA_KEY = "policy.dtensor_cfg.lora_cfg"
@@ -58,30 +59,33 @@ class LoraSettings:
 
 def lora_settings(ctx: StageContext) -> LoraSettings | None:
     """The stage's LoRA settings, or None when LoRA is off; anything this engine could not
-    honour exactly is refused here, before a model loads."""
-    cfg = get_path(ctx.config, LORA_KEY) or {}
+    honour exactly is refused here, before a model loads. Every ``lora_cfg`` key is required
+    (``nemo_rl_keys``): the local profiles set them all, off or on."""
+    keys = ProfileKeys(ctx.config, config_file(ctx))
     where = f"stages/{ctx.name}/config/{ctx.profile}.yaml {LORA_KEY}"
+    # A refusal: an absent megatron_cfg.peft asks for no Megatron LoRA.
     if get_path(ctx.config, "policy.megatron_cfg.peft.enabled"):
         raise UnsupportedSetting(
             f"stages/{ctx.name}/config/{ctx.profile}.yaml policy.megatron_cfg.peft.enabled: Megatron LoRA "
             f"needs the NeMo-RL engine; the local engine trains LoRA from {LORA_KEY}"
         )
-    if not cfg.get("enabled"):
+    if not keys.flag(f"{LORA_KEY}.enabled"):
         return None
     if ctx.name not in LORA_STAGES:
         reason = RM_REASON if ctx.name == "rm" else f"stage '{ctx.name}' trains no policy"
         raise UnsupportedSetting(f"{where}.enabled=true: {reason}")
-    targets = tuple(cfg.get("target_modules") or ())
-    excludes = tuple(cfg.get("exclude_modules") or ())
-    match_all = bool(cfg.get("match_all_linear", False))
+    # null lists mean none, as in Automodel
+    targets = tuple(keys.raw(f"{LORA_KEY}.target_modules") or ())
+    excludes = tuple(keys.raw(f"{LORA_KEY}.exclude_modules") or ())
+    match_all = keys.flag(f"{LORA_KEY}.match_all_linear")
     problems = []
     if targets and excludes:
         problems.append("target_modules and exclude_modules are exclusive (Automodel refuses both)")
     if match_all and (targets or excludes):
         problems.append("match_all_linear=true needs target_modules and exclude_modules empty")
-    dim, alpha = int(cfg.get("dim", 8)), float(cfg.get("alpha", 32))
-    dropout, position = float(cfg.get("dropout", 0.0)), str(cfg.get("dropout_position", "post"))
-    init = str(cfg.get("lora_A_init", "xavier"))
+    dim, alpha = keys.integer(f"{LORA_KEY}.dim"), keys.number(f"{LORA_KEY}.alpha")
+    dropout, position = keys.number(f"{LORA_KEY}.dropout"), keys.text(f"{LORA_KEY}.dropout_position")
+    init = keys.text(f"{LORA_KEY}.lora_A_init")
     if dim <= 0:
         problems.append(f"dim must be a positive rank, got {dim}")
     if not 0.0 <= dropout < 1.0:

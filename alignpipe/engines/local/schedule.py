@@ -4,21 +4,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from alignpipe.config import get_path
 from alignpipe.errors import UnsupportedSetting
 
 
-def lr_factor(cfg: dict[str, Any], where: str = "the stage's config") -> Callable[[int], float]:
-    """NeMo-RL's ``policy.scheduler`` as a function of the optimizer step: the factor on the base
-    learning rate that its ``SequentialLR`` over the listed ``LinearLR``/``ConstantLR`` gives
-    (torch's closed forms). HF's ``constant_with_warmup`` would start the warm-up at 0, where
-    NeMo-RL's ``LinearLR(start_factor=0.1)`` starts at a tenth. Other schedulers are refused."""
-    entries = get_path(cfg, "policy.scheduler") or []
-    if isinstance(entries, dict):
-        entries = [entries]
+def lr_factor(
+    entries: Sequence[Mapping[str, Any]], where: str = "the stage's config"
+) -> Callable[[int], float]:
+    """NeMo-RL's ``policy.scheduler`` entries (``PolicyKeys.scheduler``) as a function of the
+    optimizer step: the factor on the base learning rate that its ``SequentialLR`` over the listed
+    ``LinearLR``/``ConstantLR`` gives (torch's closed forms; a missing kwarg is torch's own
+    default). HF's ``constant_with_warmup`` would start the warm-up at 0, where NeMo-RL's
+    ``LinearLR(start_factor=0.1)`` starts at a tenth. Other schedulers are refused."""
     phases: list[tuple[str, dict[str, Any]]] = []
     milestones: list[int] = []
     for entry in entries:
@@ -53,11 +52,13 @@ def lr_factor(cfg: dict[str, Any], where: str = "the stage's config") -> Callabl
     return factor
 
 
-def use_nemo_rl_schedule(trainer, cfg: dict[str, Any], where: str = "the stage's config") -> None:
+def use_nemo_rl_schedule(
+    trainer, entries: Sequence[Mapping[str, Any]], where: str = "the stage's config"
+) -> None:
     """Make ``trainer`` (any HF Trainer) step :func:`lr_factor` instead of its own schedule."""
     from torch.optim.lr_scheduler import LambdaLR
 
-    factor = lr_factor(cfg, where)
+    factor = lr_factor(entries, where)
 
     def create_scheduler(num_training_steps: int, optimizer=None):
         if trainer.lr_scheduler is None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from alignpipe.config import get_path
 from alignpipe.context import StageContext
+from alignpipe.engines.local.nemo_rl_keys import stage_keys
 from alignpipe.errors import UnsupportedSetting
 
 # (config key, value that means "on", why the local engine cannot do it)
@@ -33,7 +34,8 @@ _MUST_BE_ONE = [
 
 
 def refuse_gpu_only_settings(ctx: StageContext) -> None:
-    """Fail loudly on settings this engine would otherwise silently ignore."""
+    """Fail loudly on settings this engine would otherwise silently ignore. Each key may be
+    absent (read without the typed view, nemo_rl_keys): an absent key asks for none of these."""
     problems = []
     for key, on_value, why in _GPU_ONLY:
         if get_path(ctx.config, key) == on_value:
@@ -51,9 +53,9 @@ def refuse_gpu_only_settings(ctx: StageContext) -> None:
         )
 
 
-def trl_common_args(ctx: StageContext, algo: str, output_dir: Path) -> dict[str, Any]:
-    """Arguments every TRL config takes, mapped from the NeMo-RL schema (over 60 lines: the mapping
-    table below is most of it).
+def trl_common_args(ctx: StageContext, output_dir: Path) -> dict[str, Any]:
+    """Arguments every TRL config takes, mapped from the NeMo-RL schema (``nemo_rl_keys``; over
+    60 lines: the mapping table below is most of it).
 
     | NeMo-RL key                                   | TRL / transformers argument        |
     |-----------------------------------------------|------------------------------------|
@@ -62,69 +64,65 @@ def trl_common_args(ctx: StageContext, algo: str, output_dir: Path) -> dict[str,
     | <algo>.val_period                             | eval_steps (eval_strategy=steps)   |
     | policy.train_micro_batch_size                 | per_device_train_batch_size        |
     | train_global_batch_size / micro               | gradient_accumulation_steps        |
-    | <algo>.val_micro_batch_size                   | per_device_eval_batch_size         |
+    | <algo>.val_micro_batch_size (grpo: val_batch_size) | per_device_eval_batch_size    |
     | policy.optimizer.kwargs.{lr,weight_decay,...} | learning_rate, weight_decay, adam_*|
     | policy.scheduler (LinearLR, ConstantLR)       | lr_factor (train_resumable)        |
-    | policy.max_grad_norm                          | max_grad_norm                      |
+    | policy.max_grad_norm (null: 0, no clipping)   | max_grad_norm                      |
     | checkpointing.save_period / keep_top_k        | save_steps / save_total_limit      |
     """
     import torch
 
-    cfg = ctx.config
-    micro = int(get_path(cfg, "policy.train_micro_batch_size", 8))
-    global_bs = int(get_path(cfg, "policy.train_global_batch_size", micro))
+    keys = stage_keys(ctx)
+    algo, policy, ckpt = keys.algorithm, keys.policy, keys.checkpointing
+    micro, global_bs = policy.train_micro_batch_size, policy.train_global_batch_size
     if global_bs % micro:
         raise UnsupportedSetting(
             f"policy.train_global_batch_size ({global_bs}) must be a multiple of "
             f"policy.train_micro_batch_size ({micro}) in stages/{ctx.name}/config/{ctx.profile}.yaml"
         )
-    opt = get_path(cfg, "policy.optimizer.kwargs", {}) or {}
-    betas = opt.get("betas", [0.9, 0.999])
-    val_period = int(get_path(cfg, f"{algo}.val_period", 0) or 0)
-    ckpt_on = bool(get_path(cfg, "checkpointing.enabled", True))
-    seed = int(get_path(cfg, f"{algo}.seed", ctx.seed))
+    opt = policy.optimizer
     use_cpu = not torch.cuda.is_available()
     return dict(
         output_dir=str(output_dir),
-        max_steps=int(get_path(cfg, f"{algo}.max_num_steps", 100)),
-        num_train_epochs=float(get_path(cfg, f"{algo}.max_num_epochs", 1) or 1),
-        seed=seed,
-        data_seed=seed,
+        max_steps=algo.max_num_steps,
+        num_train_epochs=float(algo.max_num_epochs),
+        seed=algo.seed,
+        data_seed=algo.seed,
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=global_bs // micro,
-        per_device_eval_batch_size=int(get_path(cfg, f"{algo}.val_micro_batch_size", micro) or micro),
-        learning_rate=float(opt.get("lr", 1e-4)),
-        weight_decay=float(opt.get("weight_decay", 0.0)),
-        adam_beta1=float(betas[0]),
-        adam_beta2=float(betas[1]),
-        adam_epsilon=float(opt.get("eps", 1e-8)),
+        per_device_eval_batch_size=algo.eval_batch_size,
+        learning_rate=opt.lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.betas[0],
+        adam_beta2=opt.betas[1],
+        adam_epsilon=opt.eps,
         lr_scheduler_type="constant",  # replaced by NeMo-RL's schedule (use_nemo_rl_schedule)
-        max_grad_norm=float(get_path(cfg, "policy.max_grad_norm", 1.0) or 0.0),
-        eval_strategy="steps" if val_period else "no",
-        eval_steps=val_period or None,
-        save_strategy="steps" if ckpt_on else "no",
-        save_steps=int(get_path(cfg, "checkpointing.save_period", 50)),
-        save_total_limit=int(get_path(cfg, "checkpointing.keep_top_k", 2) or 2),
-        logging_steps=max(1, min(10, val_period or 10)),
+        # NeMo-RL's null (no clipping) is HF's 0.
+        max_grad_norm=0.0 if policy.max_grad_norm is None else policy.max_grad_norm,
+        eval_strategy="steps" if algo.val_period else "no",
+        eval_steps=algo.val_period or None,
+        save_strategy="steps" if ckpt.enabled else "no",
+        save_steps=ckpt.save_period,
+        save_total_limit=ckpt.keep_top_k,  # null: keep every checkpoint, as NeMo-RL
+        logging_steps=max(1, min(10, algo.val_period or 10)),
         report_to=[],
         use_cpu=use_cpu,
-        bf16=get_path(cfg, "policy.precision") == "bfloat16" and not use_cpu,
-        gradient_checkpointing=bool(get_path(cfg, "policy.dtensor_cfg.activation_checkpointing", False)),
+        bf16=policy.precision == "bfloat16" and not use_cpu,
+        gradient_checkpointing=policy.activation_checkpointing,
         dataloader_num_workers=0,
         disable_tqdm=True,
         save_only_model=False,
     )
 
 
-def step_budget(ctx: StageContext, algo: str, num_examples: int) -> int:
+def step_budget(ctx: StageContext, num_examples: int) -> int:
     """NeMo-RL stops at ``min(max_num_steps, max_num_epochs x steps per epoch)``.
 
     HF's Trainer lets a positive ``max_steps`` override the epoch count, so the
     epoch bound is applied here; ``max_num_steps: -1`` means epoch-bounded (NeMo-RL rm).
     """
-    cfg = ctx.config
-    global_bs = int(get_path(cfg, "policy.train_global_batch_size", 1))
-    epochs = float(get_path(cfg, f"{algo}.max_num_epochs", 1) or 1)
-    by_epochs = math.ceil(epochs * math.ceil(num_examples / global_bs))
-    max_steps = int(get_path(cfg, f"{algo}.max_num_steps", -1) or -1)
+    keys = stage_keys(ctx)
+    global_bs = keys.policy.train_global_batch_size
+    by_epochs = math.ceil(keys.algorithm.max_num_epochs * math.ceil(num_examples / global_bs))
+    max_steps = keys.algorithm.max_num_steps
     return by_epochs if max_steps <= 0 else min(max_steps, by_epochs)

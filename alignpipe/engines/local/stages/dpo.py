@@ -33,11 +33,11 @@ from __future__ import annotations
 from typing import Any
 
 from alignpipe import console
-from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, lora
 from alignpipe.engines.local.checkpoints import publish_trained, train_then_validate
 from alignpipe.engines.local.micro_batches import length_sorted
+from alignpipe.engines.local.nemo_rl_keys import DpoKeys, dpo_keys, stage_keys
 from alignpipe.engines.local.preference_pairs import preference_splits
 from alignpipe.engines.local.torch_threads import apply_torch_threads
 from alignpipe.engines.local.trl_args import refuse_gpu_only_settings, step_budget, trl_common_args
@@ -51,22 +51,17 @@ from alignpipe.measure.metrics import local_keys
 METRICS = local_keys("dpo")  # TRL log key -> pipeline metric (measure/metrics.py)
 
 
-def loss_settings(ctx: StageContext) -> dict[str, Any]:
+def loss_settings(dpo: DpoKeys, where: str = "the stage's config") -> dict[str, Any]:
     """NeMo-RL's DPO loss keys -> DPOConfig's beta / loss_type / loss_weights."""
-    cfg = ctx.config
-    where = f"stages/{ctx.name}/config/{ctx.profile}.yaml"
-    beta = float(get_path(cfg, "dpo.reference_policy_kl_penalty", 0.05))
+    beta = dpo.reference_policy_kl_penalty
     if beta <= 0:
         raise UnsupportedSetting(f"{where}: dpo.reference_policy_kl_penalty (beta) must be > 0, got {beta}")
-    average = bool(get_path(cfg, "dpo.preference_average_log_probs", False))
-    pref_weight = float(get_path(cfg, "dpo.preference_loss_weight", 1.0))
-    sft_weight = float(get_path(cfg, "dpo.sft_loss_weight", 0.0) or 0.0)
     return {
         "beta": beta,
-        "loss_type": ["sigmoid_norm" if average else "sigmoid"],
-        "loss_weights": [pref_weight],
+        "loss_type": ["sigmoid_norm" if dpo.preference_average_log_probs else "sigmoid"],
+        "loss_weights": [dpo.preference_loss_weight],
         # NeMo-RL's SFT term, added by TokenizedDPOTrainer (TRL's "sft" pools the batch's tokens)
-        "sft": {"weight": sft_weight, "average": bool(get_path(cfg, "dpo.sft_average_log_probs", average))},
+        "sft": {"weight": dpo.sft_loss_weight, "average": dpo.sft_average_log_probs},
     }
 
 
@@ -273,19 +268,19 @@ def preference_metrics(
 def run(ctx: StageContext) -> None:
     # Refuse impossible settings before the (slow) ML imports.
     refuse_gpu_only_settings(ctx)
-    losses = loss_settings(ctx)
+    keys, dpo = stage_keys(ctx), dpo_keys(ctx)
+    losses = loss_settings(dpo, f"stages/{ctx.name}/config/{ctx.profile}.yaml")
     adapter = lora.lora_settings(ctx)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig
 
-    cfg = ctx.config
-    policy_dir = ctx.root / cfg["policy"]["model_name"]
+    policy_dir = ctx.root / keys.policy.model_name
     # An SFT adapter stands for its base with the adapter merged (adapters.merged_dir).
     model_path = str(lora.full_policy_dir(ctx, policy_dir, LOCAL_DTYPE))
-    tokenizer_path = str(ctx.root / get_path(cfg, "policy.tokenizer.name", cfg["policy"]["model_name"]))
+    tokenizer_path = str(ctx.root / keys.policy.tokenizer_name)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    train_pairs, val_pairs = preference_splits(ctx, "dpo", tokenizer)
+    train_pairs, val_pairs = preference_splits(ctx, tokenizer)
 
     model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=LOCAL_DTYPE)
     if adapter:
@@ -301,34 +296,32 @@ def run(ctx: StageContext) -> None:
         peft = {}
 
     apply_torch_threads(ctx)
-    trl_args = trl_common_args(ctx, "dpo", ctx.scratch_dir)
+    trl_args = trl_common_args(ctx, ctx.scratch_dir)
     # Validation is ours (the callback below), so the trainer never evaluates by itself.
-    trl_args.update(eval_strategy="no", eval_steps=None, max_steps=step_budget(ctx, "dpo", len(train_pairs)))
+    trl_args.update(eval_strategy="no", eval_steps=None, max_steps=step_budget(ctx, len(train_pairs)))
     sft = losses.pop("sft")
     args = DPOConfig(
         **trl_args,
         **losses,
-        max_length=int(cfg["policy"]["max_total_sequence_length"]),
+        max_length=keys.policy.max_total_sequence_length,
         precompute_ref_log_probs=False,
         disable_dropout=True,
     )
     live = live_log.open_live(ctx)
-    average = bool(get_path(cfg, "dpo.preference_average_log_probs", False))
-    val_batch = int(get_path(cfg, "dpo.val_micro_batch_size", 64) or 64)
     validation = live_log.make_validation_callback(
         live,
         METRICS,
-        int(get_path(cfg, "dpo.val_period", 0) or 0) if val_pairs else 0,
+        dpo.val_period if val_pairs else 0,
         lambda m: preference_metrics(
             m,
             reference if reference is not None else lora.AdapterDisabled(m),
             tokenizer,
             val_pairs,
             beta=losses["beta"],
-            average_log_probs=average,
-            batch_size=val_batch,
+            average_log_probs=dpo.preference_average_log_probs,
+            batch_size=dpo.val_micro_batch_size,
         ),
-        at_start=bool(val_pairs) and bool(get_path(cfg, "dpo.val_at_start", False)),
+        at_start=bool(val_pairs) and dpo.val_at_start,
     )
     longest_side = lambda row: len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"]))  # noqa: E731
     trainer = length_sorted(make_trainer_class(), longest_side)(
@@ -342,8 +335,8 @@ def run(ctx: StageContext) -> None:
         **peft,
     )
     if adapter:
-        lora.prepare(ctx, trainer.model, adapter, policy_dir, int(get_path(cfg, "dpo.seed", ctx.seed)))
-    model = train_then_validate(ctx, trainer, live, METRICS, validation, "dpo", bool(val_pairs))
+        lora.prepare(ctx, trainer.model, adapter, policy_dir, dpo.seed)
+    model = train_then_validate(ctx, trainer, live, METRICS, validation, bool(val_pairs))
 
     samples = sample_heldout(ctx, model, tokenizer)
     heldout = log_heldout(live, tokenizer, samples)

@@ -24,11 +24,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.data.schema import transcript
 from alignpipe.engines.local import grpo
 from alignpipe.engines.local.judge import judge_against, judge_rewards, load_judge
+from alignpipe.engines.local.nemo_rl_keys import grpo_keys
 from alignpipe.errors import ConfigError, UnsupportedSetting
 from alignpipe.measure.heldout import HeldoutSamples, load_scores
 from alignpipe.measure.intervals import paired_difference
@@ -51,7 +51,7 @@ def clip(value: float, bounds: list[float | None] | None) -> float:
 def check_settings(ctx: StageContext) -> str:
     """The reward source; refuses a learned reward without a KL anchor (``reward_source`` and
     ``reward_clip`` were checked with the profile, ``alignpipe.settings``)."""
-    beta = float(get_path(ctx.config, "loss_fn.reference_policy_kl_penalty", 0.0) or 0.0)
+    beta = grpo_keys(ctx).loss_fn.reference_policy_kl_penalty
     if beta <= 0:
         raise UnsupportedSetting(
             "rlhf needs loss_fn.reference_policy_kl_penalty > 0: a learned reward without a KL anchor "
@@ -160,12 +160,11 @@ def heldout_rm_metrics(
 def run(ctx: StageContext) -> None:
     source = check_settings(ctx)
     grpo.refuse_unsupported_grpo(ctx)  # before the reward model loads (and torch with it)
-    cfg = ctx.config
     rm_path = ctx.input("reward_model")
     if not (rm_path / "config.json").is_file():
         raise ConfigError(f"rlhf: no reward model at {rm_path}; run the rm stage first (`dvc repro rm`)")
     scorer = RewardModelScorer.load(rm_path)
-    scaling = get_path(cfg, "grpo.reward_scaling")
+    scaling = dict(grpo_keys(ctx).reward_scaling)
     if source == "rm":
         reward = grpo.RewardFn(
             rm_score_fn(scorer, ctx.settings.reward_clip), name="reward_model", scaling=scaling
@@ -178,7 +177,7 @@ def run(ctx: StageContext) -> None:
             return str(path) if path.exists() else name
 
         generate = load_judge(judge_cfg, resolve)
-        group = int(get_path(cfg, "grpo.num_generations_per_prompt", 8))
+        group = grpo_keys(ctx).num_generations_per_prompt
         anchors = sft_validation_answers(ctx, judge_cfg)
         reward = grpo.RewardFn(
             judge_score_fn(judge_cfg, generate, group, anchors), name="judge", scaling=scaling

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import grpo
+from alignpipe.engines.local.nemo_rl_keys import grpo_keys
 from alignpipe.settings import RewardShaping
 
 
@@ -35,6 +35,6 @@ def run(ctx: StageContext) -> None:
     reward = grpo.RewardFn(
         verifier_score(ctx.settings.reward_shaping),
         name="verifier",
-        scaling=get_path(ctx.config, "grpo.reward_scaling"),
+        scaling=dict(grpo_keys(ctx).reward_scaling),
     )
     grpo.run_grpo(ctx, reward)

@@ -30,11 +30,11 @@ import os
 from typing import Any
 
 from alignpipe import console
-from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, lora
 from alignpipe.engines.local.checkpoints import publish_trained, train_then_validate
 from alignpipe.engines.local.micro_batches import length_sorted
+from alignpipe.engines.local.nemo_rl_keys import rm_keys, stage_keys
 from alignpipe.engines.local.preference_pairs import preference_splits
 from alignpipe.engines.local.torch_threads import apply_torch_threads
 from alignpipe.engines.local.trl_args import refuse_gpu_only_settings, step_budget, trl_common_args
@@ -50,14 +50,14 @@ METRICS = local_keys("rm")  # TRL log key -> pipeline metric (measure/metrics.py
 
 def check_reward_model_cfg(ctx: StageContext) -> None:
     """Only a Bradley-Terry head is implemented (as in NeMo-RL v0.7.0's run_rm.py)."""
-    rm_cfg = get_path(ctx.config, "policy.reward_model_cfg") or {}
+    rm = rm_keys(ctx)
     where = f"stages/{ctx.name}/config/{ctx.profile}.yaml"
-    if not rm_cfg.get("enabled", False):
+    if not rm.reward_model_enabled:
         raise UnsupportedSetting(
             f"{where}: policy.reward_model_cfg.enabled must be true for the rm stage "
             "(it trains a reward model, not a policy)"
         )
-    kind = rm_cfg.get("reward_model_type", "bradley_terry")
+    kind = rm.reward_model_type
     if kind != "bradley_terry":
         raise UnsupportedSetting(
             f"{where}: policy.reward_model_cfg.reward_model_type={kind!r} is not supported; "
@@ -139,34 +139,33 @@ def run(ctx: StageContext) -> None:
     from transformers import AutoTokenizer, set_seed
     from trl import RewardConfig, RewardTrainer
 
-    cfg = ctx.config
+    keys, rm = stage_keys(ctx), rm_keys(ctx)
     # An SFT adapter stands for its base with the adapter merged (adapters.merged_dir).
-    model_path = str(lora.full_policy_dir(ctx, ctx.root / cfg["policy"]["model_name"], LOCAL_DTYPE))
-    tokenizer_path = str(ctx.root / get_path(cfg, "policy.tokenizer.name", cfg["policy"]["model_name"]))
+    model_path = str(lora.full_policy_dir(ctx, ctx.root / keys.policy.model_name, LOCAL_DTYPE))
+    tokenizer_path = str(ctx.root / keys.policy.tokenizer_name)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    train_pairs, val_pairs = preference_splits(ctx, "rm", tokenizer)
+    train_pairs, val_pairs = preference_splits(ctx, tokenizer)
 
     apply_torch_threads(ctx)
-    trl_args = trl_common_args(ctx, "rm", ctx.scratch_dir)
+    trl_args = trl_common_args(ctx, ctx.scratch_dir)
     # Validation is ours (the callback below), so the trainer never evaluates by itself.
-    trl_args.update(eval_strategy="no", eval_steps=None, max_steps=step_budget(ctx, "rm", len(train_pairs)))
+    trl_args.update(eval_strategy="no", eval_steps=None, max_steps=step_budget(ctx, len(train_pairs)))
     # The score head is initialised randomly: seed it so a rerun builds the same head.
     set_seed(trl_args["seed"])
     model = load_reward_model(model_path, tokenizer)
 
     args = RewardConfig(
         **trl_args,
-        max_length=int(cfg["policy"]["max_total_sequence_length"]),
+        max_length=keys.policy.max_total_sequence_length,
         disable_dropout=True,
     )
     live = live_log.open_live(ctx)
-    val_batch = int(get_path(cfg, "rm.val_micro_batch_size", 64) or 64)
     validation = live_log.make_validation_callback(
         live,
         METRICS,
-        int(get_path(cfg, "rm.val_period", 0) or 0) if val_pairs else 0,
-        lambda m: pairwise_metrics(m, tokenizer, val_pairs, val_batch),
-        at_start=bool(val_pairs) and bool(get_path(cfg, "rm.val_at_start", False)),
+        rm.val_period if val_pairs else 0,
+        lambda m: pairwise_metrics(m, tokenizer, val_pairs, rm.val_micro_batch_size),
+        at_start=bool(val_pairs) and rm.val_at_start,
     )
     # A pair is scored as two rows padded together: its longer answer sets its width.
     pair_width = lambda row: max(len(row["chosen_ids"]), len(row["rejected_ids"]))  # noqa: E731
@@ -183,7 +182,7 @@ def run(ctx: StageContext) -> None:
         processing_class=tokenizer,
         callbacks=[live_log.make_live_callback(live, METRICS), validation],
     )
-    model = train_then_validate(ctx, trainer, live, METRICS, validation, "rm", bool(val_pairs))
+    model = train_then_validate(ctx, trainer, live, METRICS, validation, bool(val_pairs))
 
     extra = {"reward_model_type": "bradley_terry"}
     files = reference_scores(ctx, model, tokenizer)

@@ -11,11 +11,11 @@ room to show gains, and ``heldout/accuracy`` records where SFT leaves off.
 from __future__ import annotations
 
 from alignpipe import console
-from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, lora
 from alignpipe.engines.local.checkpoints import publish_trained, train_resumable
 from alignpipe.engines.local.micro_batches import length_sorted
+from alignpipe.engines.local.nemo_rl_keys import SftDataKeys, sft_keys, stage_keys
 from alignpipe.engines.local.torch_threads import apply_torch_threads
 from alignpipe.engines.local.trl_args import refuse_gpu_only_settings, trl_common_args
 from alignpipe.errors import DataError, UnsupportedSetting
@@ -37,14 +37,13 @@ def resolve_model_path(ctx: StageContext, name: str) -> str:
 
 
 def sft_examples(
-    tokenizer, rows: list[dict], cfg: dict, system: str | None = None, where: str = ""
+    tokenizer, rows: list[dict], data: SftDataKeys, system: str | None = None, where: str = ""
 ) -> list[dict]:
     """Prepared sft rows (OpenAI ``messages``, optional ``tools``) -> TRL's tokenised SFT rows
     (``input_ids``, ``completion_mask``), with NeMo-RL's ``data.add_bos``/``add_eos``/
     ``add_generation_prompt`` and ``max_input_seq_length``, after the stage's system turn
     (``system``) unless a row has its own. A tool-calling row whose calls the chat template
     cannot render is refused, naming the template (``where``: the data file, for the error)."""
-    data = cfg["data"]
     out = []
     for line, row in enumerate(rows, 1):
         turns, tools = with_system(row["messages"], system), row.get("tools")
@@ -63,10 +62,10 @@ def sft_examples(
             sft_example(
                 tokenizer,
                 turns,
-                max_length=int(data["max_input_seq_length"]),
-                add_bos=bool(data.get("add_bos", True)),
-                add_eos=bool(data.get("add_eos", True)),
-                add_generation_prompt=bool(data.get("add_generation_prompt", False)),
+                max_length=data.max_input_seq_length,
+                add_bos=data.add_bos,
+                add_eos=data.add_eos,
+                add_generation_prompt=data.add_generation_prompt,
                 tools=tools,
             )
         )
@@ -75,17 +74,15 @@ def sft_examples(
 
 def run(ctx: StageContext) -> None:
     refuse_gpu_only_settings(ctx)  # before the imports below: a refused setting fails in a second
+    keys, sft = stage_keys(ctx), sft_keys(ctx)
     adapter = lora.lora_settings(ctx)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     apply_torch_threads(ctx)
-    cfg = ctx.config
-    model_path = resolve_model_path(ctx, cfg["policy"]["model_name"])
-    tokenizer_path = resolve_model_path(
-        ctx, get_path(cfg, "policy.tokenizer.name", cfg["policy"]["model_name"])
-    )
+    model_path = resolve_model_path(ctx, keys.policy.model_name)
+    tokenizer_path = resolve_model_path(ctx, keys.policy.tokenizer_name)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
     import_from = ctx.settings.import_checkpoint
 
@@ -107,21 +104,21 @@ def run(ctx: StageContext) -> None:
 
         def examples(path: str) -> Dataset:
             rows = read_jsonl(ctx.root / path)
-            return Dataset.from_list(sft_examples(tokenizer, rows, cfg, ctx.system_prompt, where=path))
+            return Dataset.from_list(sft_examples(tokenizer, rows, sft.data, ctx.system_prompt, where=path))
 
-        train = examples(cfg["data"]["train"]["data_path"])
-        val_path = get_path(cfg, "data.validation.data_path")
+        train = examples(keys.data.train_path)
+        val_path = keys.data.validation_path
         val = examples(val_path) if val_path else None
-        if val is not None and get_path(cfg, "sft.val_batches"):
-            n = int(cfg["sft"]["val_batches"]) * int(cfg["sft"].get("val_global_batch_size", 32))
+        if val is not None and sft.val_batches:
+            n = sft.val_batches * sft.val_global_batch_size
             val = val.select(range(min(n, len(val))))
         args = SFTConfig(
-            **trl_common_args(ctx, "sft", ctx.scratch_dir),
+            **trl_common_args(ctx, ctx.scratch_dir),
             # sft_examples applied NeMo-RL's length rule; TRL's would also drop the weight-0 rows
             max_length=None,
             packing=False,
             completion_only_loss=True,
-            eval_on_start=bool(get_path(cfg, "sft.val_at_start", False)),
+            eval_on_start=sft.val_at_start,
         )
         trainer = length_sorted(SFTTrainer, lambda row: len(row["input_ids"]))(
             model=model,
@@ -133,9 +130,9 @@ def run(ctx: StageContext) -> None:
             **peft,
         )
         if adapter:
-            lora.prepare(ctx, trainer.model, adapter, model_path, int(get_path(cfg, "sft.seed", ctx.seed)))
+            lora.prepare(ctx, trainer.model, adapter, model_path, sft.seed)
         train_resumable(ctx, trainer, live, METRICS)
-        if val is not None and get_path(cfg, "sft.val_at_end", True):
+        if val is not None and sft.val_at_end:
             live_log.log_to_live(live, METRICS, trainer.evaluate(), trainer.state.global_step)
         model = trainer.model
 
