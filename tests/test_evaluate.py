@@ -326,7 +326,7 @@ def test_evaluate_compares_policies_on_shared_samples(trained_sft: Path, tmp_pat
     rows = [json.loads(line) for line in (root / metrics["heldout"]["data_path"]).read_text().splitlines()]
     resolved = yaml.safe_load((root / "results/evaluate/resolved_config.yaml").read_text())
     settings = from_config(resolved, "results/evaluate/resolved_config.yaml").heldout
-    assert heldout_completions(model, tok, rows, settings) == [p["completion"] for p in published]
+    assert heldout_completions(model, tok, rows, settings) == ([p["completion"] for p in published], None)
 
     report = (out / "report.md").read_text()
     assert all(f"| `{name}` |" in report for name in got)

@@ -204,3 +204,33 @@ def copy_tokenizer(tokenizer):
     import copy
 
     return copy.deepcopy(tokenizer)
+
+
+def test_held_out_rows_that_offer_tools_are_answered_with_them(calculator_policy, tmp_path) -> None:
+    """Held-out sampling (measure/heldout.py) rolls a row that offers the calculator out with
+    it: the sample is the final answer, its tool use is published beside it and read back, and
+    the accuracy comes with tool calls per answer and accuracy with and without a call."""
+    from alignpipe.measure import heldout as H
+    from alignpipe.settings import Heldout
+    from alignpipe.tools.calculator import CALCULATOR_SCHEMA
+
+    model, tokenizer = calculator_policy
+    rows = [
+        {"id": str(i), "task": "calc", "prompt": [{"role": "user", "content": q}], "answer": str(eval(e)),  # noqa: S307
+         "verifier": "numeric", "tools": [CALCULATOR_SCHEMA]}
+        for i, (q, e) in enumerate(PROBLEMS.items())
+    ]  # fmt: skip
+    settings = Heldout(max_new_tokens=100, temperature=0.0)
+    completions, tool_use = H.heldout_completions(model, tokenizer, rows, settings)
+    assert completions == ["841", "134"] and tool_use == [(1, 0), (1, 0)]
+    result = H.heldout_accuracy(tokenizer, rows, completions, tool_use)
+    assert result["accuracy"] == 1.0 and result["tool_calls_per_answer"] == 1.0
+    assert result["tool_malformed_share"] == 0.0 and result["accuracy_with_tool"] == 1.0
+    assert "accuracy_without_tool" not in result and "accuracy_with_tool" in result["intervals"]
+    key = H.sampling_key(rows, settings)
+    assert key != H.sampling_key([{k: v for k, v in r.items() if k != "tools"} for r in rows], settings)
+    samples = H.HeldoutSamples(rows, completions, key, tool_use=tool_use)
+    (tmp_path / H.SAMPLES_FILE).write_text(H.samples_file(samples)[H.SAMPLES_FILE])
+    assert H.load_samples(tmp_path, key, len(rows)) == (completions, tool_use)
+    plain = H.HeldoutSamples(rows, completions, key)  # without tools a line is what it was before
+    assert "tool_calls" not in H.samples_file(plain)[H.SAMPLES_FILE]

@@ -69,6 +69,8 @@ class HeldoutSamples:
     reused: bool = False
     # The system turn the prompts were asked with: what KL is measured under, too.
     system: str | None = None
+    # Rows that offer tools: each answer's (tool calls, malformed calls); None without tools.
+    tool_use: list[tuple[int, int]] | None = None
 
     @property
     def prompts(self) -> list[Prompt]:
@@ -87,24 +89,30 @@ def sampling_key(rows: list[dict[str, Any]], settings: Heldout, system: str | No
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_samples(model_dir: Path, key: str, n: int) -> list[str] | None:
-    """The completions a model directory carries for ``key``, or None."""
+def load_samples(model_dir: Path, key: str, n: int) -> tuple[list[str], list[tuple[int, int]] | None] | None:
+    """The completions a model directory carries for ``key`` and their tool use, or None."""
     path = Path(model_dir) / SAMPLES_FILE
     if not path.is_file():
         return None
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if len(lines) != n or any(line.get("key") != key for line in lines):
         return None
-    return [line["completion"] for line in lines]
+    tool_use = (
+        [(line["tool_calls"], line["tool_malformed"]) for line in lines] if "tool_calls" in lines[0] else None
+    )
+    return [line["completion"] for line in lines], tool_use
 
 
 def samples_file(samples: HeldoutSamples) -> dict[str, str]:
     """``{SAMPLES_FILE: text}`` to publish beside the model (``publish_model(files=...)``)."""
-    text = "".join(
-        json.dumps({"key": samples.key, "id": r.get("id"), "completion": c}, ensure_ascii=False) + "\n"
-        for r, c in zip(samples.rows, samples.completions, strict=True)
-    )
-    return {SAMPLES_FILE: text}
+    uses = samples.tool_use or [None] * len(samples.rows)
+    lines = []
+    for r, c, use in zip(samples.rows, samples.completions, uses, strict=True):
+        line = {"key": samples.key, "id": r.get("id"), "completion": c}
+        if use is not None:  # a line without tools is what it was before tools
+            line.update(tool_calls=use[0], tool_malformed=use[1])
+        lines.append(json.dumps(line, ensure_ascii=False) + "\n")
+    return {SAMPLES_FILE: "".join(lines)}
 
 
 MEASURES_FILE = "heldout_measures.json"
@@ -164,7 +172,8 @@ def published_samples(ctx: StageContext, model_dir: Path | str) -> HeldoutSample
     key = sampling_key(rows, drawn_with(settings, drawing_backend(settings)), system)
     if (cached := load_samples(Path(model_dir), key, len(rows))) is None:
         return None
-    return HeldoutSamples(rows, cached, key, reused=True, system=system)
+    completions, tool_use = cached
+    return HeldoutSamples(rows, completions, key, reused=True, system=system, tool_use=tool_use)
 
 
 def sample_heldout(
@@ -184,11 +193,12 @@ def sample_heldout(
                 f"{settings.data_path}: its rows offer tools, which held-out sampling runs on the hf backend "
                 "only: set alignpipe.heldout.backend: hf"
             )
-        completions = vllm_completions(ctx, Path(model_dir), rows, settings, system)
+        completions, tool_use = vllm_completions(ctx, Path(model_dir), rows, settings, system), None
     else:  # the stage's own policy (in memory, not published yet) is sampled with transformers
-        completions = heldout_completions(model, tokenizer, rows, settings, system)
+        completions, tool_use = heldout_completions(model, tokenizer, rows, settings, system)
         settings = drawn_with(settings, "hf")
-    return HeldoutSamples(rows, completions, sampling_key(rows, settings, system), system=system)
+    key = sampling_key(rows, settings, system)
+    return HeldoutSamples(rows, completions, key, system=system, tool_use=tool_use)
 
 
 def vllm_completions(
@@ -217,14 +227,15 @@ def vllm_engine(settings: Heldout) -> dict[str, Any]:
 
 def heldout_completions(
     model, tokenizer, rows: list[dict[str, Any]], settings: Heldout, system: str | None = None
-) -> list[str]:
+) -> tuple[list[str], list[tuple[int, int]] | None]:
     """The seeded samples ``heldout_accuracy`` scores (one per row), from ``alignpipe.heldout``
-    settings. Rows that offer tools are rolled out with them (``max_tool_turns`` turns,
-    ``max_new_tokens`` for all of them); the sample is then the final answer."""
+    settings, and their tool use. Rows that offer tools are rolled out with them
+    (``max_tool_turns`` turns, ``max_new_tokens`` for all of them): the sample is the final
+    answer, its tool use (calls, malformed calls); without tools the tool use is None."""
     prompts = [r["prompt"] for r in rows]
     names = offered_tools(rows)
     if not names:
-        return generate(
+        drawn = generate(
             model,
             tokenizer,
             prompts,
@@ -232,6 +243,7 @@ def heldout_completions(
             batch_size=settings.batch_size,
             system=system,
         )
+        return drawn, None
     from alignpipe.measure.tool_generation import generate_with_tools
     from alignpipe.tools import BUILTIN_TOOLS, build_toolset
 
@@ -245,7 +257,9 @@ def heldout_completions(
         model, tokenizer, prompts, build_toolset({"tools": names}), max_turns=settings.max_tool_turns,
         **sampling_args(settings), batch_size=settings.batch_size, system=system,
     )  # fmt: skip
-    return ["" if r.answer is None else r.answer for r in rollouts]
+    return ["" if r.answer is None else r.answer for r in rollouts], [
+        (r.calls, r.malformed) for r in rollouts
+    ]
 
 
 def offered_tools(rows: Iterable[dict[str, Any]]) -> list[str]:
@@ -258,9 +272,16 @@ def sampling_args(settings: Heldout) -> dict[str, Any]:
     return {k: getattr(settings, k) for k in ("max_new_tokens", "temperature", "top_p", "seed")}
 
 
-def heldout_accuracy(tokenizer, rows: Iterable[dict[str, Any]], completions: list[str]) -> dict[str, Any]:
+def heldout_accuracy(
+    tokenizer,
+    rows: Iterable[dict[str, Any]],
+    completions: list[str],
+    tool_use: list[tuple[int, int]] | None = None,
+) -> dict[str, Any]:
     """Verifier accuracy of sampled answers on held-out prompts, overall and per task, each
     with its 95% interval under ``intervals`` (``{"accuracy": {"low": .., "high": ..}, ...}``).
+    With ``tool_use`` (answers rolled out with tools): tool calls per answer, the share of
+    calls that could not be read, and the accuracy of answers with and without a call.
 
     The one definition every policy stage reports as ``heldout/accuracy``, of ``completions``
     drawn with ``heldout_completions`` or on vLLM (one per row).
@@ -279,8 +300,17 @@ def heldout_accuracy(tokenizer, rows: Iterable[dict[str, Any]], completions: lis
         by_task.setdefault(row.get("task", "all"), []).append(score)
     for task, values in sorted(by_task.items()):
         result[f"accuracy_{task}"] = sum(values) / len(values)
+    groups = {"accuracy": scores, **{f"accuracy_{t}": v for t, v in sorted(by_task.items())}}
+    if tool_use is not None:
+        calls = sum(c for c, _ in tool_use)
+        result["tool_calls_per_answer"] = calls / max(1, len(tool_use))
+        result["tool_malformed_share"] = sum(m for _, m in tool_use) / max(1, calls)
+        for name, called in (("with_tool", True), ("without_tool", False)):
+            chosen = [s for s, (c, _) in zip(scores, tool_use, strict=True) if (c > 0) == called]
+            if chosen:
+                result[f"accuracy_{name}"] = sum(chosen) / len(chosen)
+                groups[f"accuracy_{name}"] = chosen
     if scores:
-        groups = {"accuracy": scores, **{f"accuracy_{t}": v for t, v in sorted(by_task.items())}}
         result["intervals"] = {name: interval_of(values) for name, values in groups.items()}
     return result
 
@@ -296,7 +326,7 @@ def headline(result: dict[str, Any], suffix: str = "") -> float | tuple[float, f
 def log_heldout(live, tokenizer, samples: HeldoutSamples, suffix: str = "") -> dict[str, Any]:
     """Held-out accuracy of ``samples`` into ``live.summary["heldout"]`` (a DVCLive ``Live``),
     each name with ``suffix`` (``_reference`` for the SFT reference's: ``intervals_reference``)."""
-    result = heldout_accuracy(tokenizer, samples.rows, samples.completions)
+    result = heldout_accuracy(tokenizer, samples.rows, samples.completions, samples.tool_use)
     result = {f"{k}{suffix}": v for k, v in result.items()}
     live.summary.setdefault("heldout", {}).update(result)
     return result

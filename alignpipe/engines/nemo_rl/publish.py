@@ -147,19 +147,20 @@ def heldout_for(ctx, model_dir: Path) -> dict[str, Any] | None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        completions = H.vllm_completions(ctx, model_dir, rows, settings, system)
+        completions, tool_use = H.vllm_completions(ctx, model_dir, rows, settings, system), None
     else:
         from alignpipe.measure.logprobs import load_policy
 
         model, tokenizer = load_policy(model_dir)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        completions = H.heldout_completions(model, tokenizer, rows, settings, system)
+        completions, tool_use = H.heldout_completions(model, tokenizer, rows, settings, system)
         settings = H.drawn_with(settings, "hf")
-    held = H.HeldoutSamples(rows, completions, H.sampling_key(rows, settings, system), system=system)
+    key = H.sampling_key(rows, settings, system)
+    held = H.HeldoutSamples(rows, completions, key, system=system, tool_use=tool_use)
     for name, text in H.samples_file(held).items():
         write_text_atomic(model_dir / name, text)
-    return H.heldout_accuracy(tokenizer, rows, completions)
+    return H.heldout_accuracy(tokenizer, rows, completions, tool_use)
 
 
 def validation_answers(ctx, cfg: dict[str, Any]) -> int | None:
