@@ -116,7 +116,11 @@ def test_the_tools_preset_reaches_every_stage_that_needs_it():
 
     params = yaml.safe_load(C.compose_params_text(REPO.resolve(), ["tools=on"]))
     prep = build_context(REPO, "prep", params=params).config["builtin"]
-    assert prep["tools"] == ["calculator"] and prep["tasks"]["calc"]["weight"] == 1
+    assert prep["tools"] == ["calculator"] and prep["tasks"]["calc"] == {
+        "min_digits": 3,
+        "max_digits": 3,
+        "weight": 1,
+    }
     assert build_context(REPO, "base", params=params).config["tokenizer"]["tools"] is True
     rlvr = build_context(REPO, "rlvr", params=params)
     assert rlvr.settings.tools.tools == ["calculator"] and rlvr.settings.tools.max_rollout_turns == 4

@@ -316,3 +316,40 @@ def test_nemo_rls_multi_turn_rollout_runs_the_tools_and_scores_the_final_answer(
             )
         assert rewards[k] == score_completion(row, answer["content"]) == 1.0
     assert nemo_rl_tool_rollout["metrics"]["max_turns_per_sample"] == 2
+
+
+def test_the_local_engine_rolls_out_what_nemo_rl_rolls_out(
+    nemo_rl_tool_rollout: dict, tool_policy: Path
+) -> None:
+    """Both engines, one objective: the local engine's multi-turn rollout (measure/tool_generation.py,
+    GRPO's rollout_func) of the same prompts with the same policy and tools gives, per rollout, the
+    token ids NeMo-RL's message log holds, the same loss mask (1 on the policy's tokens, 0 on the
+    prompt and on every tool token) and the same reward; from equal rewards and prompts both
+    engines compute the same advantages (tests/test_equivalence_grpo.py)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from alignpipe.measure.tool_generation import tool_rollouts
+    from alignpipe.rewards import score_completion
+
+    tokenizer = AutoTokenizer.from_pretrained(tool_policy, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(tool_policy, local_files_only=True)
+    cfg = nemo_rl_tool_rollout["config"]
+    group = cfg["grpo"]["num_generations_per_prompt"]
+    rows = [r for r in ROWS for _ in range(group)]
+    prompts = [
+        tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, return_dict=False)
+        for r in rows
+    ]
+    rollouts, _ = tool_rollouts(
+        model, tokenizer, prompts, build_toolset({"tools": ["calculator"]}),
+        max_turns=cfg["grpo"]["max_rollout_turns"], max_new_tokens=64,
+        max_seq_len=cfg["policy"]["max_total_sequence_length"], sampling={"do_sample": False},
+    )  # fmt: skip
+    local_rewards = []
+    for row, mine, log in zip(rows, rollouts, nemo_rl_tool_rollout["logs"], strict=True):
+        theirs_ids = [t for m in log for t in m["token_ids"]]
+        theirs_mask = [t for m in log for t in m["token_loss_mask"]]
+        assert mine.prompt_ids + mine.completion_ids == theirs_ids, [m["role"] for m in log]
+        assert [0] * len(mine.prompt_ids) + mine.env_mask == theirs_mask
+        local_rewards.append(score_completion(row, mine.answer))
+    assert local_rewards == nemo_rl_tool_rollout["total_reward"]

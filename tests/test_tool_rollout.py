@@ -88,7 +88,7 @@ def test_a_rollout_is_the_conversation_the_chat_template_renders_with_tool_token
     model, tokenizer = calculator_policy
     rollouts, stats = tool_rollouts(
         model, tokenizer, prompts(tokenizer, toolset, PROBLEMS), toolset,
-        max_turns=3, max_completion_tokens=100, sampling=GREEDY,
+        max_turns=3, max_new_tokens=100, max_seq_len=128, sampling=GREEDY,
     )  # fmt: skip
     assert stats.calls == 2 and not stats.errors
     for (question, expression), r in zip(PROBLEMS.items(), rollouts, strict=True):
@@ -113,7 +113,7 @@ def test_a_call_to_a_missing_tool_is_an_observation_and_the_rollout_goes_on(tool
     model, tokenizer = teach([conv], toolset, steps=120)
     [r], stats = tool_rollouts(
         model, tokenizer, prompts(tokenizer, toolset, ["add 9 9"]), toolset,
-        max_turns=3, max_completion_tokens=120, sampling=GREEDY,
+        max_turns=3, max_new_tokens=120, max_seq_len=128, sampling=GREEDY,
     )  # fmt: skip
     assert stats.errors == {"unknown_tool": 1} and r.calls == 1 and r.turns == 2 and r.done
     tool_text = tokenizer.decode([t for t, m in zip(r.completion_ids, r.env_mask, strict=True) if not m])
@@ -125,15 +125,23 @@ def test_the_turn_limit_and_the_token_budget_end_a_rollout(calculator_policy, to
     ids = prompts(tokenizer, toolset, ["add 482 359"])
     # One turn: the call is made but not run (the last turn's calls never are); no answer to score.
     [r], stats = tool_rollouts(
-        model, tokenizer, ids, toolset, max_turns=1, max_completion_tokens=100, sampling=GREEDY
+        model, tokenizer, ids, toolset, max_turns=1, max_new_tokens=100, max_seq_len=128, sampling=GREEDY
     )
     assert r.done and r.turns == 1 and r.calls == 1 and stats.calls == 0 and r.answer == ""
     assert all(r.env_mask)
-    # A budget that cuts the call: the rollout ends there, with no answer.
-    [r], _ = tool_rollouts(
-        model, tokenizer, ids, toolset, max_turns=3, max_completion_tokens=8, sampling=GREEDY
+    # A turn budget that cuts the call: an unclosed <tool_call> is a malformed call, answered
+    # with an error the policy reads next turn (as NeMo-RL's environment sees a cut response).
+    [r], stats = tool_rollouts(
+        model, tokenizer, ids, toolset, max_turns=2, max_new_tokens=8, max_seq_len=128, sampling=GREEDY
     )
-    assert r.done and r.answer is None and len(r.completion_ids) == 8
+    assert r.turns == 2 and r.malformed >= 1 and stats.errors.get("malformed") == 1
+    assert r.env_mask[:8] == [1] * 8 and 0 in r.env_mask
+    # A sequence cap that the observation would reach: it is cut to fit and the rollout ends.
+    cap = len(ids[0]) + 40
+    [r], _ = tool_rollouts(
+        model, tokenizer, ids, toolset, max_turns=3, max_new_tokens=100, max_seq_len=cap, sampling=GREEDY
+    )
+    assert r.done and r.answer is None and len(r.prompt_ids) + len(r.completion_ids) == cap
 
 
 def test_a_grpo_step_with_tools_rewards_the_final_answer_and_trains_on_policy_tokens(
@@ -171,7 +179,7 @@ def test_a_grpo_step_with_tools_rewards_the_final_answer_and_trains_on_policy_to
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
         advantage_settings={"normalize_rewards": True, "leave_one_out_baseline": True, "clip": (None, None)},
-        rollout_func=ToolRollouts(toolset, max_turns=3).rollout_func(args),
+        rollout_func=ToolRollouts(toolset, max_turns=3, max_seq_len=128).rollout_func(args),
     )
     trainer.train()
     logged = trainer.state.log_history[0]

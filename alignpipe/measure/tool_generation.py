@@ -73,43 +73,45 @@ def tool_rollouts(
     toolset: Toolset,
     *,
     max_turns: int,
-    max_completion_tokens: int,
+    max_new_tokens: int,
+    max_seq_len: int,
     sampling: dict[str, Any],
 ) -> tuple[list[Rollout], ToolStats]:
-    """Roll every prompt out until it answers, runs out of turns or fills its budget."""
+    """Roll every prompt out until it answers, runs out of turns or fills its sequence, with
+    NeMo-RL's budgets: each turn at most ``max_new_tokens`` (and what ``max_seq_len`` leaves),
+    and an observation that would reach ``max_seq_len`` cut to fit, ending the rollout."""
     rollouts = [Rollout(list(ids)) for ids in prompt_ids]
     stats = ToolStats()
-    eos = tokenizer.eos_token_id
     for turn in range(max_turns):
         active = [r for r in rollouts if not r.done]
         if not active:
             break
-        budget = max(max_completion_tokens - len(r.completion_ids) for r in active)
-        generated = _generate_turn(model, tokenizer, active, budget, sampling)
+        budgets = [
+            min(max_new_tokens, max_seq_len - len(r.prompt_ids) - len(r.completion_ids)) for r in active
+        ]
+        generated = _generate_turn(model, tokenizer, active, max(budgets), sampling)
+        generated = [ids[:budget] for ids, budget in zip(generated, budgets, strict=True)]
         for r, ids in zip(active, generated, strict=True):
-            ids = ids[: max_completion_tokens - len(r.completion_ids)]
             r.extend(ids, policy=True)
             r.turns += 1
         texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
-        # A turn cut by the budget (no end-of-turn token) ends its rollout: nothing is left to answer with.
-        cut = [r.completion_ids[-1:] != [eos] for r in active]
         answers, turn_stats = respond(tokenizer, toolset, texts, last_turn=turn == max_turns - 1)
         stats.calls += turn_stats.calls
         stats.truncated += turn_stats.truncated
         stats.seconds += turn_stats.seconds
         for kind, n in turn_stats.errors.items():
             stats.errors[kind] = stats.errors.get(kind, 0) + n
-        for r, answer, was_cut in zip(active, answers, cut, strict=True):
+        for r, answer in zip(active, answers, strict=True):
             r.calls += len(answer.calls)
             r.malformed += answer.malformed
-            if answer.done or was_cut:
-                r.done, r.answer = True, None if was_cut else answer.answer
+            if answer.done:
+                r.done, r.answer = True, answer.answer
                 continue
             obs = tokenizer(answer.observation, add_special_tokens=False)["input_ids"]
-            room = max_completion_tokens - len(r.completion_ids)
-            r.extend(obs[:room], policy=False)
-            if len(obs) >= room:  # no room left to answer after the observation
-                r.done = True
+            room = max_seq_len - len(r.prompt_ids) - len(r.completion_ids)
+            if len(obs) >= room:  # as NeMo-RL: the observation cut to fit, and the rollout ends
+                obs, r.done = obs[: max(room, 0)], True
+            r.extend(obs, policy=False)
     return rollouts, stats
 
 
@@ -128,7 +130,8 @@ def generate_with_tools(
     system: str | None = None,
 ) -> list[Rollout]:
     """:func:`alignpipe.measure.generation.generate` with tools: one seeded rollout per prompt,
-    the toolset's schemas in every prompt, ``max_new_tokens`` for all of a rollout's turns."""
+    the toolset's schemas in every prompt, ``max_new_tokens`` per turn, within the model's
+    context (``max_position_embeddings``)."""
     import torch
 
     from alignpipe.measure.generation import prompt_messages
@@ -157,7 +160,8 @@ def generate_with_tools(
             ids,
             toolset,
             max_turns=max_turns,
-            max_completion_tokens=max_new_tokens,
+            max_new_tokens=max_new_tokens,
+            max_seq_len=model.config.max_position_embeddings,
             sampling=sampling,
         )
         rollouts.extend(batch)

@@ -547,7 +547,8 @@ def run_grpo(
     measures to publish with the samples (``heldout.measures_file``).
     """
     refuse_unsupported_grpo(ctx)  # before the imports below: a refused setting fails in a second
-    tools = ToolRollouts.from_settings(ctx.settings.tools, config_file(ctx))
+    max_seq_len = stage_keys(ctx).policy.max_total_sequence_length
+    tools = ToolRollouts.from_settings(ctx.settings.tools, config_file(ctx), max_seq_len)
     from datasets import Dataset
     from trl import GRPOConfig
 

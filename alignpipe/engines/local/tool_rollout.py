@@ -20,7 +20,7 @@ from alignpipe.tools.toolset import Toolset
 __all__ = ["ToolRollouts", "make_rollout_func"]
 
 
-def make_rollout_func(toolset: Toolset, *, max_turns: int, max_completion_tokens: int):
+def make_rollout_func(toolset: Toolset, *, max_turns: int, max_new_tokens: int, max_seq_len: int):
     """TRL's ``rollout_func(prompts, trainer)``: the conversational prompts of a generation batch
     (each already repeated once per generation) rendered with the toolset's schemas, rolled out
     with tools, sampling as the trainer samples single turns (its generation config). Extra
@@ -52,7 +52,8 @@ def make_rollout_func(toolset: Toolset, *, max_turns: int, max_completion_tokens
                 prompt_ids,
                 toolset,
                 max_turns=max_turns,
-                max_completion_tokens=max_completion_tokens,
+                max_new_tokens=max_new_tokens,
+                max_seq_len=max_seq_len,
                 sampling={"generation_config": trainer.generation_config},
             )
         return {
@@ -77,10 +78,11 @@ class ToolRollouts:
 
     toolset: Toolset
     max_turns: int
+    max_seq_len: int  # policy.max_total_sequence_length: prompt and every turn together
     malformed_penalty: float = 0.0
 
     @classmethod
-    def from_settings(cls, settings, where: str) -> ToolRollouts | None:
+    def from_settings(cls, settings, where: str, max_seq_len: int) -> ToolRollouts | None:
         """The stage's ``alignpipe.tools`` (alignpipe.settings.Tools), or None when it names no
         tool. A tool that does not exist or cannot be imported is refused here, before training."""
         from alignpipe.tools import build_toolset
@@ -88,11 +90,14 @@ class ToolRollouts:
         if not settings.enabled:
             return None
         toolset = build_toolset(settings.toolset_config(), where=f"{where}: alignpipe.tools")
-        return cls(toolset, settings.max_rollout_turns, settings.malformed_penalty)
+        return cls(toolset, settings.max_rollout_turns, max_seq_len, settings.malformed_penalty)
 
     def rollout_func(self, args):
-        """TRL's ``rollout_func`` for a GRPOConfig ``args``: its completion budget covers every
-        turn's tokens, the tools' too (NeMo-RL bounds the whole sequence the same way)."""
+        """TRL's ``rollout_func`` for a GRPOConfig ``args``: each turn at most its
+        ``max_completion_length`` (policy.generation.max_new_tokens) new tokens, as NeMo-RL."""
         return make_rollout_func(
-            self.toolset, max_turns=self.max_turns, max_completion_tokens=args.max_completion_length
+            self.toolset,
+            max_turns=self.max_turns,
+            max_new_tokens=args.max_completion_length,
+            max_seq_len=self.max_seq_len,
         )
