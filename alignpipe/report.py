@@ -121,6 +121,7 @@ def markdown_table(metrics: dict[str, Any]) -> str:
             f"interval ({', '.join(f'{t}: {d:g}' for t, d in gate.items()) or 'no task sets one'})."
         )
     lines += task_table(metrics)
+    lines += tool_table(metrics)
     lines += [
         "",
         "![comparison](comparison.png)",
@@ -243,3 +244,27 @@ def comparison_chart(metrics: dict[str, Any], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def tool_table(metrics: dict[str, Any]) -> list[str]:
+    """What each policy did with the tools the held-out rows offer (none: no table)."""
+    policies = metrics["policies"]
+    if not any("tool_calls_per_answer" in m for m in policies.values()):
+        return []
+    lines = [
+        "",
+        "## Tools",
+        "",
+        "| policy | tool calls per answer | malformed calls | accuracy with a call | accuracy without |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, m in policies.items():
+        cells = [
+            _cell(m.get("tool_calls_per_answer"), "{:.2f}", None),
+            _cell(m.get("tool_malformed_share"), "{:.1%}", None),
+        ]
+        cells += [
+            _cell(m.get(k), "{:.1%}", None) for k in ("tool_accuracy_with_call", "tool_accuracy_without_call")
+        ]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return lines

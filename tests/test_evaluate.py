@@ -139,6 +139,13 @@ def test_report_table_and_chart_show_every_policy_its_interval_and_the_flag(tmp_
     assert "| -10.0 [" in rlhf  # 30 prompts fewer right than sft, in points
     assert "reward hacking" not in next(r for r in rows if r.startswith("| `dpo`"))
     assert "95% interval" in table
+    assert "## Tools" not in table  # no held-out row offered a tool
+    metrics["policies"]["rlvr"].update(tool_calls_per_answer=0.3, tool_malformed_share=0.05,
+                                       tool_accuracy_with_call=0.9, tool_accuracy_without_call=0.55)  # fmt: skip
+    tools = markdown_table(metrics).split("## Tools", 1)[1]
+    assert (
+        "| `rlvr` | 0.30 | 5.0% | 90.0% | 55.0% |" in tools and "| `sft` | n/a | n/a | n/a | n/a |" in tools
+    )
 
     png = comparison_chart(metrics, tmp_path / "comparison.png")
     data = png.read_bytes()

@@ -233,8 +233,8 @@ def test_held_out_rows_that_offer_tools_are_answered_with_them(calculator_policy
     assert completions == ["841", "134"] and tool_use == [(1, 0), (1, 0)]
     result = H.heldout_accuracy(tokenizer, rows, completions, tool_use)
     assert result["accuracy"] == 1.0 and result["tool_calls_per_answer"] == 1.0
-    assert result["tool_malformed_share"] == 0.0 and result["accuracy_with_tool"] == 1.0
-    assert "accuracy_without_tool" not in result and "accuracy_with_tool" in result["intervals"]
+    assert result["tool_malformed_share"] == 0.0 and result["tool_accuracy_with_call"] == 1.0
+    assert "tool_accuracy_without_call" not in result and "tool_accuracy_with_call" in result["intervals"]
     key = H.sampling_key(rows, settings)
     assert key != H.sampling_key([{k: v for k, v in r.items() if k != "tools"} for r in rows], settings)
     samples = H.HeldoutSamples(rows, completions, key, tool_use=tool_use)

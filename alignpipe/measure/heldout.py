@@ -305,11 +305,11 @@ def heldout_accuracy(
         calls = sum(c for c, _ in tool_use)
         result["tool_calls_per_answer"] = calls / max(1, len(tool_use))
         result["tool_malformed_share"] = sum(m for _, m in tool_use) / max(1, calls)
-        for name, called in (("with_tool", True), ("without_tool", False)):
+        for name, called in (("tool_accuracy_with_call", True), ("tool_accuracy_without_call", False)):
             chosen = [s for s, (c, _) in zip(scores, tool_use, strict=True) if (c > 0) == called]
             if chosen:
-                result[f"accuracy_{name}"] = sum(chosen) / len(chosen)
-                groups[f"accuracy_{name}"] = chosen
+                result[name] = sum(chosen) / len(chosen)
+                groups[name] = chosen
     if scores:
         result["intervals"] = {name: interval_of(values) for name, values in groups.items()}
     return result

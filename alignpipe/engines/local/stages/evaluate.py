@@ -70,6 +70,13 @@ from alignpipe.report import TASK_ACCURACY
 from alignpipe.settings import Heldout, from_config
 
 METRIC_KEYS = ("heldout_accuracy", "rm_score", "mean_length", "kl_to_sft")
+# Held-out rows that offer tools: what each policy did with them (measure.heldout.heldout_accuracy).
+TOOL_KEYS = (
+    "tool_calls_per_answer",
+    "tool_malformed_share",
+    "tool_accuracy_with_call",
+    "tool_accuracy_without_call",
+)
 
 
 def same_vocabulary(a, b) -> bool:
@@ -121,6 +128,7 @@ def policy_line(m: dict[str, Any], reference: str) -> str:
         if diff := m.get("vs_reference", {}).get(key):
             text += f", {diff['value']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}] vs {reference}"
         parts.append(text)
+    parts += [f"{key} {m[key]:.3f}" for key in TOOL_KEYS[:2] if m.get(key) is not None]
     return ", ".join(parts)
 
 
@@ -232,7 +240,7 @@ def measure_policy(
     from alignpipe.rewards import score_completions
 
     rows, prompts, completions = held.rows, held.prompts, held.completions
-    acc = heldout_accuracy(tok, rows, completions)
+    acc = heldout_accuracy(tok, rows, completions, held.tool_use)
     kl, scores = known.get("kl_to_reference", {}), known.get("rm_score", {})
     if judges.scorer is None:
         scores = None
@@ -254,6 +262,7 @@ def measure_policy(
         "mean_length": acc["mean_length"],
         "kl_to_sft": kl,
         **{f"heldout_{k}": v for k, v in acc.items() if k.startswith("accuracy_")},
+        **{k: acc[k] for k in TOOL_KEYS if k in acc},
     }
     verdicts = score_completions(rows, completions)  # per sample, for samples.jsonl
     samples = [
