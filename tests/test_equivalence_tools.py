@@ -1,4 +1,4 @@
-"""Agentic rlvr on the NeMo-RL engine (issue 56): alignpipe's tools as a NeMo-RL environment.
+"""Agentic rlvr against NeMo-RL (issue 56): alignpipe's tools as a NeMo-RL environment.
 
 * ``tool_step``, the environment's step: which rollouts go on with which observation, the
   reward of those that end (the verifier's, less the malformed-call penalty), the counters it
