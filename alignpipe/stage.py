@@ -9,6 +9,7 @@ stage that needs it). ``launch_plan`` builds the one ``LaunchPlan`` that ``run``
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -115,23 +116,41 @@ def run_stage(
     if not inner:  # a launcher's inner run is the same stage: one header
         console.header(ctx.label, ctx.engine, ctx.profile, get_path(ctx.config, "policy.model_name", None))
     module = engine_module(ctx)
+    environment: dict[str, str] = {}
     if inner:
         ctx.launcher_for(needs_image(ctx, module), inner=True)  # refuses a need this place cannot meet
     else:
         plan = launch_plan(ctx, module)
         if not plan.here:
             return launch(plan)
-        os.environ.update(plan.env)  # the process launcher's job is this process: its environment
-    check_running_code(root)
-    if ctx.engine == "local":
-        set_cpu_env()
-        from alignpipe.engines.local.stages import skip_transformers_optional_imports
+        environment = dict(plan.env)  # the process launcher's job is this process
+    with _environment(environment):
+        check_running_code(root)
+        if ctx.engine == "local":
+            set_cpu_env()
+            from alignpipe.engines.local.stages import skip_transformers_optional_imports
 
-        skip_transformers_optional_imports()
-    console.quiet_libraries(console.raw_log_path(root, ctx.label))
-    module.run(ctx)
-    if os.environ.get("ALIGNPIPE_TIMING"):  # benchmarks/: wall and CPU time of the whole stage process
-        from alignpipe.timing import record_timing
+            skip_transformers_optional_imports()
+        console.quiet_libraries(console.raw_log_path(root, ctx.label))
+        module.run(ctx)
+        if os.environ.get("ALIGNPIPE_TIMING"):  # benchmarks/: wall and CPU time of the whole stage process
+            from alignpipe.timing import record_timing
 
-        record_timing(ctx.label, "end")
+            record_timing(ctx.label, "end")
     return 0
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """``env`` in this process's environment for the stage's run, and what was there before
+    afterwards: a caller that runs a stage in-process (a test, a notebook) keeps its own."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -176,3 +176,22 @@ def test_slurm_launch_is_the_printed_plan(workspace: Path, slurm, capfd) -> None
     assert launched["argv"] == shlex.split(printed.files["sft.sbatch"].splitlines()[-1])[1:]  # exec ...
     assert_env_as_printed(printed, launched["env"])
     assert json.loads((workspace / "models" / "sft" / "artifact.json").read_text())["stage"] == "sft"
+
+
+def test_a_stage_run_in_process_leaves_the_callers_environment_as_it_was(
+    workspace: Path, monkeypatch
+) -> None:
+    """On the process launcher the stage's job is the calling process: it runs under the plan's
+    environment (ALIGNPIPE_ROOT pinned to its checkout), and the caller gets its own back, so a
+    later stage run from elsewhere (a test's dvc, a notebook's next call) is not sent here."""
+    from alignpipe.stage import run_stage
+
+    monkeypatch.delenv("ALIGNPIPE_ROOT")  # the caller's shell names no checkout
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the plan pins 1 for the run only
+    before = dict(os.environ)
+    plan = launch_plan(build_context(workspace, "prep"))
+    assert plan.env["ALIGNPIPE_ROOT"] == str(workspace) and plan.env["HF_HUB_OFFLINE"] == "1"
+    assert run_stage(workspace, "prep") == 0
+    assert (workspace / "data" / "prepared" / "manifest.json").is_file()
+    assert "ALIGNPIPE_ROOT" not in os.environ and os.environ["HF_HUB_OFFLINE"] == "0"
+    assert {k: os.environ.get(k) for k in plan.env} == {k: before.get(k) for k in plan.env}
