@@ -53,6 +53,7 @@ def teach(conversations: list[list[dict]], toolset, steps: int = 150):
     ]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(steps):
+        worst = 0.0
         for row in batch:
             ids = torch.tensor([row["input_ids"]])
             labels = ids.masked_fill(torch.tensor([row["assistant_masks"]]) == 0, -100)
@@ -60,6 +61,9 @@ def teach(conversations: list[list[dict]], toolset, steps: int = 150):
             loss.backward()
             opt.step()
             opt.zero_grad()
+            worst = max(worst, loss.item())
+        if worst < 0.005:  # every assistant token memorised: greedy decoding replays it
+            break
     model.eval()
     return model, tokenizer
 
