@@ -250,6 +250,32 @@ class ScriptedGeneration:
         )
 
 
+def _rollout_training_set(cfg: dict, generation, *, greedy: bool):
+    """grpo_train's rollout of the config's whole training set: its data and environments
+    (``setup_response_data``, real Ray actors from ``create_env``), ``rl_collate_fn``,
+    ``repeat_interleave(num_generations_per_prompt)``, ``run_multi_turn_rollout`` with
+    ``generation(tokenizer)``. Returns the final batch, the rollout metrics and the tokenizer."""
+    from nemo_rl.algorithms.utils import get_tokenizer
+    from nemo_rl.data.collate_fn import rl_collate_fn
+    from nemo_rl.data.utils import setup_response_data
+    from nemo_rl.experience.rollouts import run_multi_turn_rollout
+
+    register_once()
+    tokenizer = get_tokenizer(cfg["policy"]["tokenizer"])
+    train, _, task_to_env, _ = setup_response_data(tokenizer, cfg["data"], cfg["env"])
+    batch = rl_collate_fn([train[i] for i in range(len(train))])
+    final, metrics = run_multi_turn_rollout(
+        policy_generation=generation(tokenizer),
+        input_batch=batch.repeat_interleave(cfg["grpo"]["num_generations_per_prompt"]),
+        tokenizer=tokenizer,
+        task_to_env=task_to_env,
+        max_seq_len=cfg["policy"]["max_total_sequence_length"],
+        max_rollout_turns=cfg["grpo"].get("max_rollout_turns", 1),
+        greedy=greedy,
+    )
+    return final, metrics, tokenizer
+
+
 def grpo_rollout(payload: dict) -> dict:
     """One GRPO step's rollout through NeMo-RL's own loop, as grpo_train runs it: the rendered
     config's data and environment (``setup_response_data``, a real Ray actor from
@@ -262,26 +288,11 @@ def grpo_rollout(payload: dict) -> dict:
         _create_advantage_estimator,
         extract_initial_prompt_messages,
     )
-    from nemo_rl.algorithms.utils import get_tokenizer
-    from nemo_rl.data.collate_fn import rl_collate_fn
     from nemo_rl.data.llm_message_utils import batched_message_log_to_flat_message
-    from nemo_rl.data.utils import setup_response_data
-    from nemo_rl.experience.rollouts import run_multi_turn_rollout
 
-    register_once()
     cfg = payload["config"]
-    tokenizer = get_tokenizer(cfg["policy"]["tokenizer"])
-    train, _, task_to_env, _ = setup_response_data(tokenizer, cfg["data"], cfg["env"])
-    batch = rl_collate_fn([train[i] for i in range(len(train))])
-    repeated = batch.repeat_interleave(cfg["grpo"]["num_generations_per_prompt"])
-    final, _ = run_multi_turn_rollout(
-        policy_generation=ScriptedGeneration(tokenizer, payload["completions"]),
-        input_batch=repeated,
-        tokenizer=tokenizer,
-        task_to_env=task_to_env,
-        max_seq_len=cfg["policy"]["max_total_sequence_length"],
-        max_rollout_turns=cfg["grpo"].get("max_rollout_turns", 1),
-        greedy=False,
+    final, _, tokenizer = _rollout_training_set(
+        cfg, lambda tokenizer: ScriptedGeneration(tokenizer, payload["completions"]), greedy=False
     )
     prompts = extract_initial_prompt_messages(final["message_log"], final["length"])
     flat, _ = batched_message_log_to_flat_message(
@@ -365,24 +376,10 @@ def tool_rollout(payload: dict) -> dict:
     trains on. Returns each sample's message log (role, content, token ids, loss mask), its
     ``total_reward`` and the rollout metrics."""
     from nemo_rl.algorithms.grpo import add_grpo_token_loss_masks_and_generation_logprobs
-    from nemo_rl.algorithms.utils import get_tokenizer
-    from nemo_rl.data.collate_fn import rl_collate_fn
-    from nemo_rl.data.utils import setup_response_data
-    from nemo_rl.experience.rollouts import run_multi_turn_rollout
 
-    register_once()
-    cfg = payload["config"]
-    tokenizer = get_tokenizer(cfg["policy"]["tokenizer"])
-    train, _, task_to_env, _ = setup_response_data(tokenizer, cfg["data"], cfg["env"])
-    batch = rl_collate_fn([train[i] for i in range(len(train))])
-    repeated = batch.repeat_interleave(cfg["grpo"]["num_generations_per_prompt"])
-    final, metrics = run_multi_turn_rollout(
-        policy_generation=HFGeneration(payload["model"], tokenizer, payload["max_new_tokens"]),
-        input_batch=repeated,
-        tokenizer=tokenizer,
-        task_to_env=task_to_env,
-        max_seq_len=cfg["policy"]["max_total_sequence_length"],
-        max_rollout_turns=cfg["grpo"]["max_rollout_turns"],
+    final, metrics, _ = _rollout_training_set(
+        payload["config"],
+        lambda tokenizer: HFGeneration(payload["model"], tokenizer, payload["max_new_tokens"]),
         greedy=True,
     )
     add_grpo_token_loss_masks_and_generation_logprobs(final["message_log"])

@@ -17,28 +17,14 @@ from pathlib import Path
 import pytest
 
 from alignpipe.errors import ConfigError
-from alignpipe.tiny import ASSISTANT, EOS, SYSTEM, USER, train_tokenizer
+from alignpipe.tiny import ASSISTANT, EOS, TOOL, train_tokenizer
 from alignpipe.tools import build_toolset
+from alignpipe.tools.calculator import CALCULATOR_SCHEMA
 from alignpipe.tools.episode import observation_text
 from tests.test_nemo_rl_render import composed_params
 
-# A prefix-preserving chat template with tool turns (Qwen's shape: a tool result is a user turn
-# wrapping it in <tool_response>), FOR THESE TESTS ONLY until alignpipe.tiny's tool-aware
-# template (train_tokenizer(..., tools=True)) is on main: switch to that then.
-TOOL_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}" + SYSTEM + "{{ message['content'] }}" + EOS + "{% endif %}"
-    "{% if message['role'] == 'user' %}" + USER + "{{ message['content'] }}" + EOS + "{% endif %}"
-    "{% if message['role'] == 'assistant' %}" + ASSISTANT + "{{ message['content'] }}" + EOS + "{% endif %}"
-    "{% if message['role'] == 'tool' %}"
-    + USER
-    + "<tool_response>{{ message['content'] }}</tool_response>"
-    + EOS
-    + "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
-)
-
+# The tools every prompt offers, as the rendered config passes them (chat_template_kwargs.tools).
+TOOLS = [CALCULATOR_SCHEMA]
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "17+25"}}</tool_call>'
 BAD_CALL = "<tool_call>not json</tool_call>"
 
@@ -60,10 +46,10 @@ ROWS = [
 
 
 def tool_tokenizer(texts: list[str]):
+    """The tiny tokenizer with tool turns (alignpipe.tiny.TOOL_CHAT_TEMPLATE), every printable
+    character known (error observations quote what they read)."""
     printable = "".join(chr(c) for c in range(32, 127))
-    tokenizer = train_tokenizer([*texts, printable], "words")
-    tokenizer.chat_template = TOOL_TEMPLATE
-    return tokenizer
+    return train_tokenizer([*texts, printable], "words", tools=True)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +81,7 @@ def test_tool_step_runs_calls_and_scores_answers(tokenizer, calculator) -> None:
     assert out.rewards == [0.0, 1.0, 0.0]
     expected = observation_text(tokenizer, [{"role": "tool", "name": "calculator", "content": "42"}])
     assert out.observations[0] == {"role": "tool", "content": expected}
-    assert expected == f"{USER}<tool_response>42</tool_response>{EOS}{ASSISTANT}"
+    assert expected == f"{TOOL}42{EOS}{ASSISTANT}"
     assert out.observations[1:] == [{"role": "environment", "content": ""}] * 2  # nothing after an answer
     assert [m[TURNS_KEY] for m in out.metadata] == [1, 1, 1]
     assert [m[MALFORMED_KEY] for m in out.metadata] == [0, 0, 0]
@@ -213,7 +199,7 @@ def overfit_policy(tokenizer, conversations: list[list[dict]], out: Path, steps:
         "num_attention_heads": 4,
     }
     model = build_causal_lm(tokenizer, model_cfg, seed=0)
-    ids = [tokenizer(tokenizer.apply_chat_template(c, tokenize=False), add_special_tokens=False).input_ids
+    ids = [tokenizer(tokenizer.apply_chat_template(c, tokenize=False, tools=TOOLS), add_special_tokens=False).input_ids
            for c in conversations]  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     threads = torch.get_num_threads()
@@ -250,7 +236,7 @@ def test_the_overfit_policy_calls_the_calculator(tool_policy: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(tool_policy, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(tool_policy, local_files_only=True)
-    prompt = tokenizer(tokenizer.apply_chat_template(ROWS[0]["prompt"], tokenize=False, add_generation_prompt=True),
+    prompt = tokenizer(tokenizer.apply_chat_template(ROWS[0]["prompt"], tokenize=False, add_generation_prompt=True, tools=TOOLS),
                        add_special_tokens=False, return_tensors="pt").input_ids  # fmt: skip
     with torch.no_grad():
         out = model.generate(prompt, do_sample=False, max_new_tokens=64, pad_token_id=tokenizer.pad_token_id)
@@ -297,7 +283,9 @@ def test_nemo_rls_multi_turn_rollout_runs_the_tools_and_scores_the_final_answer(
         return tokenizer(text, add_special_tokens=False).input_ids
 
     for k, (row, log) in enumerate(zip([r for r in ROWS for _ in range(group)], logs, strict=True)):
-        prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(
+            row["prompt"], tokenize=False, add_generation_prompt=True, tools=TOOLS
+        )
         assert log[0]["token_ids"] == ids(prompt) and set(log[0]["token_loss_mask"]) == {0}
         if row is ROWS[0]:  # call, tool result, answer, and nothing after the answer
             assert [m["role"] for m in log] == ["user", "assistant", "tool", "assistant", "environment"]
@@ -337,7 +325,7 @@ def test_the_local_engine_rolls_out_what_nemo_rl_rolls_out(
     group = cfg["grpo"]["num_generations_per_prompt"]
     rows = [r for r in ROWS for _ in range(group)]
     prompts = [
-        tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, return_dict=False)
+        tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, return_dict=False, tools=TOOLS)
         for r in rows
     ]
     rollouts, _ = tool_rollouts(
