@@ -53,10 +53,8 @@ def generate(
 
     tokenizer.padding_side = "left"
     model.eval()
-    gen = torch.Generator().manual_seed(seed)
     outputs: list[str] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
+    for chunk in seeded_batches(prompts, batch_size, seed):
         texts = [
             tokenizer.apply_chat_template(
                 prompt_messages(p, system), tokenize=False, add_generation_prompt=True
@@ -64,8 +62,6 @@ def generate(
             for p in chunk
         ]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        # Seed per batch from our own generator so results do not depend on what ran before.
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
         with torch.no_grad():
             out = model.generate(
                 **enc,
@@ -80,6 +76,18 @@ def generate(
         new = out[:, enc["input_ids"].shape[1] :]
         outputs.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
     return outputs
+
+
+def seeded_batches(items: list, batch_size: int, seed: int):
+    """``items`` in batches of ``batch_size``, torch's global RNG seeded before each from a
+    generator of ``seed``'s own, so a batch's samples do not depend on what ran before."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for start in range(0, len(items), batch_size):
+        chunk = items[start : start + batch_size]
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        yield chunk
 
 
 def chat_token_ids(tokenizer, prompts: list[Prompt], system: str | None = None) -> list[list[int]]:

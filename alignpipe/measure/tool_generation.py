@@ -132,17 +132,14 @@ def generate_with_tools(
     """:func:`alignpipe.measure.generation.generate` with tools: one seeded rollout per prompt,
     the toolset's schemas in every prompt, ``max_new_tokens`` per turn, within the model's
     context (``max_position_embeddings``)."""
-    import torch
-
-    from alignpipe.measure.generation import prompt_messages
+    from alignpipe.measure.generation import prompt_messages, seeded_batches
 
     model.eval()
-    gen = torch.Generator().manual_seed(seed)
     sampling = {"do_sample": temperature > 0}
     if temperature > 0:
         sampling.update(temperature=temperature, top_p=top_p, top_k=0)
     rollouts: list[Rollout] = []
-    for start in range(0, len(prompts), batch_size):
+    for chunk in seeded_batches(prompts, batch_size, seed):
         ids = [
             tokenizer.apply_chat_template(
                 prompt_messages(p, system),
@@ -150,10 +147,8 @@ def generate_with_tools(
                 tools=toolset.schemas(),
                 return_dict=False,
             )
-            for p in prompts[start : start + batch_size]
+            for p in chunk
         ]
-        # Seed per batch from our own generator so results do not depend on what ran before.
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
         batch, _ = tool_rollouts(
             model,
             tokenizer,
