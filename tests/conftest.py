@@ -624,38 +624,6 @@ def schema_python() -> Path:
     return nemo_rl_schema_python()
 
 
-@pytest.fixture(scope="session")
-def schema_checker(nemo_rl_src: Path, schema_python: Path):
-    """``preflight._run_checker`` for the schema venv, each check forked from one server per
-    worker that has imported NeMo-RL's config stack (tests/schema_server.py); a new process
-    under ``ALIGNPIPE_TEST_FRESH_PROCESSES=1``, for another interpreter, or when the environment
-    is not the server's."""
-    import functools
-
-    from alignpipe.engines.nemo_rl import preflight
-    from tests import fork_server
-
-    servers: list[fork_server.Server] = []
-
-    def run_checker(python: str, args: list[str]) -> dict:
-        env = dict(os.environ)
-        if str(python) != str(schema_python) or env.get(fork_server.FRESH) == "1":
-            return fresh(python, args)
-        if not servers or not servers[0].alive():
-            command = [str(schema_python), "-m", "tests.schema_server", str(nemo_rl_src)]
-            servers[:] = [fork_server.Server(command, env=env, cwd=REPO, name="NeMo-RL schema server")]
-        if fork_server.differs(servers[0].env, env):
-            return fresh(python, args)
-        start = functools.partial(servers[0].start, args, REPO, env)
-        return preflight.checker_result(python, fork_server.run(start, args, preflight.TIMEOUT_S))
-
-    fresh = preflight._run_checker
-    run_checker.served = lambda: sum(server.served for server in servers)  # checks forked so far
-    yield run_checker
-    for server in servers:
-        server.close()
-
-
 # --- NeMo-RL v0.7.0's own loss, data, advantage and environment code, run on CPU ---
 # The equivalence suite (tests/test_equivalence_*.py) imports NeMo-RL's real modules. Their
 # import closure reaches its logger backends and data plane (nemo-rl.md §12); those packages

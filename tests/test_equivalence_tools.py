@@ -165,7 +165,7 @@ def test_rendering_refuses_a_bad_tool_before_anything_runs(tmp_path: Path) -> No
 
 
 def test_preflight_passes_nemo_rls_validation_with_tools_on(
-    nemo_rl_src: Path, schema_python: Path, schema_checker, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    nemo_rl_src: Path, schema_python: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """What `alignpipe plan rlvr --profile default --check` runs, with tools on."""
     from alignpipe.context import build_context
@@ -174,7 +174,6 @@ def test_preflight_passes_nemo_rls_validation_with_tools_on(
 
     monkeypatch.setenv("NEMO_RL_SRC", str(nemo_rl_src))
     monkeypatch.setenv("NEMO_RL_PYTHON", str(schema_python))
-    monkeypatch.setattr(preflight, "_run_checker", schema_checker)
     params = composed_params("default", tmp_path, TOOLS_ON)
     report = preflight.check(build_context(REPO, "rlvr", "default", params=params))
     assert report.ok, report.text()

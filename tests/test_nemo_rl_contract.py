@@ -29,12 +29,9 @@ SCHEMA = {"sft": "sft", "rm": "rm", "dpo": "dpo", "rlvr": "grpo", "rlhf": "grpo"
 
 
 @pytest.fixture(autouse=True)
-def _upstream(
-    nemo_rl_src: Path, schema_python: Path, schema_checker, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _upstream(nemo_rl_src: Path, schema_python: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NEMO_RL_SRC", str(nemo_rl_src))
     monkeypatch.setenv("NEMO_RL_PYTHON", str(schema_python))
-    monkeypatch.setattr(preflight, "_run_checker", schema_checker)  # forked from a preloaded checker
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -164,26 +161,6 @@ def test_upstreams_own_example_configs_pass_with_no_algorithm_key_flagged(
     result = _checker(schema_python, "config", "--src", str(nemo_rl_src), "--entry",
                       f"examples/{entry}", "--config", str(nemo_rl_src / "examples" / "configs" / config))  # fmt: skip
     assert result["ok"], result
-
-
-def test_a_forked_check_says_what_a_new_checker_process_says(nemo_rl_src, schema_python, schema_checker):
-    """The schema server (tests/schema_server.py) changes nothing but the imports' cost: an
-    accepted config with its warning and a rejected one give the same answer as a new process."""
-    config = [
-        "--entry",
-        "examples/run_grpo.py",
-        "--config",
-        str(nemo_rl_src / "examples/configs/grpo_math_1B.yaml"),
-    ]
-    for overrides in ([], ["grpo.max_num_steps=many", "+grpo.num_prompts_per_stepp=2"]):
-        args = ["config", "--src", str(nemo_rl_src), *config, *overrides]
-        new = subprocess.run([str(schema_python), str(preflight.CHECKER), *args], capture_output=True, text=True,
-                             timeout=preflight.TIMEOUT_S)  # fmt: skip
-        assert new.returncode == 0, new.stderr
-        served = schema_checker.served()
-        assert _checker(schema_python, *args) == json.loads(new.stdout)
-        assert schema_checker.served() == served + 1  # the server forked it, no fallback
-    assert not json.loads(new.stdout)["ok"]  # the second: a wrong type and a misspelt key
 
 
 @pytest.fixture
