@@ -39,8 +39,6 @@ if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
 from alignpipe import cpu_kernels  # noqa: E402
 
 cpu_kernels.pin()
-# Now, before any test imports a library: the worker's environment as the tests set it.
-from tests import stage_runner  # noqa: E402
 
 # Fixtures that train: a test that uses one is `slow` whatever its own marks say; one that runs
 # NeMo-RL's runtime code (a process importing NeMo-RL, often with Ray) is `upstream`. The quick
@@ -211,17 +209,90 @@ def set_model(root: Path, name: str | None, **more) -> None:
     set_params(root, {"model": {"name": name, "dep": model_dep(name), **more}})
 
 
-def run_cli(root: Path, *args: str, env: dict | None = None, check: bool = True, timeout: float = 900):
-    """Run the real ``alignpipe`` CLI in ``root`` as DVC would: a stage run in a process forked
-    from one that has imported torch and transformers already (tests/stage_runner.py), anything
-    else in a new process."""
+def run_cli(
+    root: Path,
+    *args: str,
+    env: dict | None = None,
+    check: bool = True,
+    timeout: float = 900,
+    process: bool = False,
+):
+    """Run the real ``alignpipe`` CLI in ``root``: a stage run (``run``) in this process, from
+    ``cli.main`` on (``in_process``: the worker has imported torch and TRL once, as TRL's own
+    trainer tests do); anything else, or with ``process=True`` (what a library reads from the
+    environment at import is the point), in a new process as DVC starts one."""
     full_env = {**os.environ, **OFFLINE, "ALIGNPIPE_ROOT": str(root), **(env or {})}
-    proc = stage_runner.run(["alignpipe", *args], cwd=root, env=full_env, timeout=timeout)
+    if args[0] == "run" and not process:
+        proc = in_process(list(args), cwd=root, env=full_env)
+    else:
+        proc = subprocess.run(["alignpipe", *args], cwd=root, env=full_env, capture_output=True, text=True,
+                              timeout=timeout)  # fmt: skip
     if check and proc.returncode != 0:
         raise AssertionError(
             f"alignpipe {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
         )
     return proc
+
+
+def in_process(argv: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``alignpipe ARGV`` run by ``cli.main`` in this process, with ``cwd``, ``env`` and its output
+    (Python's and the C libraries') captured; the worker's directory, environment, logging,
+    warning filters and torch threads are put back afterwards. An exception is a stage
+    process's crash: its traceback on stderr, return code 1."""
+    import contextlib
+    import logging
+    import tempfile
+    import traceback
+    import warnings
+
+    import torch
+
+    from alignpipe import cli
+
+    root_logger = logging.getLogger()
+    saved = (
+        dict(os.environ),
+        os.getcwd(),
+        root_logger.handlers[:],
+        root_logger.level,
+        torch.get_num_threads(),
+    )
+    out, err = (tempfile.TemporaryFile("w+", encoding="utf-8") for _ in range(2))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fds = os.dup(1), os.dup(2)
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            os.environ.clear()
+            os.environ.update(env)
+            os.chdir(cwd)
+            try:
+                code = cli.main(argv)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+            except Exception:
+                traceback.print_exc()
+                code = 1
+            logging.captureWarnings(False)
+    finally:
+        out.flush()
+        err.flush()
+        for fd, target in zip(fds, (1, 2), strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(saved[0])
+        os.chdir(saved[1])
+        for handler in root_logger.handlers:
+            if handler not in saved[2]:
+                handler.close()
+        root_logger.handlers[:], root_logger.level = saved[2], saved[3]
+        torch.set_num_threads(saved[4])
+    out.seek(0)
+    err.seek(0)
+    return subprocess.CompletedProcess(["alignpipe", *argv], code, out.read(), err.read())
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -342,8 +413,6 @@ def prepared_repo(tmp_path_factory) -> Path:
         root = copy_repo(tmp / "repo", git=True)
         set_params(root, merged(SINGLE_TURN, ONE_THREAD))
         env = {**os.environ, **OFFLINE, **GIT_ENV, "ALIGNPIPE_SCRATCH": str(tmp / "scratch")}
-
-        env = stage_runner.dvc_env(env)  # its stage processes forked (tests/stage_shim.py)
         repro = subprocess.run(["dvc", "repro", "base"], cwd=root, env=env, capture_output=True, text=True)
         if repro.returncode != 0:
             raise AssertionError(f"dvc repro base failed:\n{repro.stdout[-4000:]}\n{repro.stderr[-4000:]}")
@@ -387,8 +456,6 @@ def build_tiny_pipeline(tmp_path_factory) -> Reproduced:
             "ALIGNPIPE_SCRATCH": str(tmp / "scratch"),
             "PYTHONHASHSEED": "0",
         }
-
-        env = stage_runner.dvc_env(env)  # its stage processes forked (tests/stage_shim.py)
         proc = subprocess.Popen(["dvc", "repro"], cwd=root, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip
         _PIPELINE_REPRO.append(proc)

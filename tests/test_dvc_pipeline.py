@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests import stage_runner
 from tests.conftest import GIT_ENV, REPO
 
 CHECK_LOCK = REPO / "benchmarks" / "check_lock.sh"
@@ -229,7 +228,6 @@ def test_a_targeted_experiment_on_a_fresh_clone_is_saved(tmp_path: Path) -> None
 
     root = copy_repo(tmp_path / "repo", git=True)
     env = {**os.environ, **GIT_ENV, "ALIGNPIPE_SCRATCH": str(tmp_path / "scratch"), "PYTHONHASHSEED": "0"}
-    env = stage_runner.dvc_env(env)
     run = subprocess.run(["dvc", "exp", "run", "-n", "narrow", "-S", "base.model.hidden_size=64", "base"],
                          cwd=root, env=env, capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
@@ -341,7 +339,6 @@ def test_the_pipeline_reproduces_its_lock_and_an_rlhf_experiment_reruns_only_its
 
     root = writable_copy(tiny_pipeline.root, tmp_path / "repo")
     env = {**os.environ, **GIT_ENV, "ALIGNPIPE_SCRATCH": str(tmp_path / "scratch"), "PYTHONHASHSEED": "0"}
-    env = stage_runner.dvc_env(env)  # the experiment's stage processes forked (tests/stage_shim.py)
 
     def dvc(*argv: str) -> str:
         proc = subprocess.run(["dvc", *argv], cwd=root, env=env, capture_output=True, text=True)

@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 
 from alignpipe.artifacts import dvc_hash, md5_file
-from tests import stage_runner
 from tests.conftest import OFFLINE, run_cli, set_params, set_writable, writable_copy
 
 pytestmark = pytest.mark.slow
@@ -111,12 +110,13 @@ def _kill_at_checkpoint(root: Path, stage: str, env: dict[str, str], which: str)
     scratch = Path(env["ALIGNPIPE_SCRATCH"])
     log = scratch.parent / f"{stage}-killed-{which}.log"
     with log.open("w") as out:
-        proc = stage_runner.start(  # a process group of its own (tests/stage_runner.py)
+        proc = subprocess.Popen(  # a process group of its own: the kill takes what it started
             ["alignpipe", "run", stage],
             cwd=root,
             env={**os.environ, **OFFLINE, "ALIGNPIPE_ROOT": str(root), "PYTHONUNBUFFERED": "1", **env},
             stdout=out,
             stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     try:
         deadline = time.monotonic() + 900  # a backstop for a hung run, not a timing assertion

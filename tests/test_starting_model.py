@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from alignpipe.artifacts import dvc_hash, md5_file
-from tests import stage_runner
 from tests.conftest import OFFLINE, copy_repo, run_cli, set_model, set_params, writable_copy
 
 
@@ -127,7 +126,7 @@ def test_a_hub_id_resolves_offline_from_the_hugging_face_cache(
 
     set_model(repo_copy, HUB_ID)
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"}  # no Hub to reach
-    run_cli(repo_copy, "run", "base", env=env)
+    run_cli(repo_copy, "run", "base", env=env, process=True)  # HF_HOME: read at import
     base = repo_copy / "models" / "base"
     assert md5_file(base / "model.safetensors") == md5_file(tiny_instruct / "model.safetensors")
     assert not (base / "pytorch_model.bin").exists()
@@ -137,7 +136,7 @@ def test_a_hub_id_resolves_offline_from_the_hugging_face_cache(
     # A pinned revision the cache lacks is named with the cache and both fixes, and nothing is published.
     shutil.rmtree(base)
     set_model(repo_copy, HUB_ID, revision="v2")
-    result = run_cli(repo_copy, "run", "base", env=env, check=False)
+    result = run_cli(repo_copy, "run", "base", env=env, check=False, process=True)
     assert result.returncode == 2 and not base.exists()
     assert f"{cache} holds no snapshot of it at revision v2" in result.stderr
     assert (
@@ -151,7 +150,7 @@ def test_model_download_lifts_offline_mode_for_base_alone(repo_copy: Path, tmp_p
     gpu.yml) exported HF_HUB_OFFLINE=1: here a closed port, so the error is a connection error."""
     set_model(repo_copy, HUB_ID, download=True)
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_ETAG_TIMEOUT": "2"}
-    result = run_cli(repo_copy, "run", "base", env=env, check=False)
+    result = run_cli(repo_copy, "run", "base", env=env, check=False, process=True)
     assert result.returncode == 2 and not (repo_copy / "models" / "base").exists()
     assert "offline mode lifted for this stage" in result.stdout
     assert "could not be fetched from the Hugging Face Hub" in result.stderr
@@ -161,7 +160,8 @@ def test_model_download_lifts_offline_mode_for_base_alone(repo_copy: Path, tmp_p
 
 def test_a_hub_id_is_fetched_only_when_allowed(repo_copy: Path, tmp_path: Path) -> None:
     set_model(repo_copy, "HuggingFaceTB/SmolLM2-135M-Instruct")
-    result = run_cli(repo_copy, "run", "base", env={"HF_HOME": str(tmp_path / "empty")}, check=False)
+    result = run_cli(repo_copy, "run", "base", env={"HF_HOME": str(tmp_path / "empty")}, check=False,
+                     process=True)  # fmt: skip
     assert result.returncode == 2
     assert "model.download=true" in result.stderr and "HuggingFaceTB/SmolLM2-135M-Instruct" in result.stderr
     assert not (repo_copy / "models" / "base").exists()
@@ -203,7 +203,6 @@ def test_editing_a_file_of_a_local_model_reruns_base_and_what_follows(tmp_path: 
     root = copy_repo(tmp_path / "repo", git=True)
     env = {**os.environ, **OFFLINE, "ALIGNPIPE_SCRATCH": str(tmp_path / "scratch"), "GIT_AUTHOR_NAME": "t",
            "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
-    env = stage_runner.dvc_env(env)  # its stage processes forked (tests/stage_shim.py)
 
     def dvc(*argv: str) -> str:
         proc = subprocess.run(["dvc", *argv], cwd=root, env=env, capture_output=True, text=True)
