@@ -738,43 +738,77 @@ def nemo_rl_runtime_python() -> Path:
 
 @pytest.fixture(scope="session")
 def nemo_rl_runtime(nemo_rl_src: Path):
-    """``call(probe, payload) -> result``: runs ``tests/nemo_rl_probe.py <probe>`` on NeMo-RL's
-    source with ``payload`` (anything ``torch.save`` takes) and returns what the probe returned.
-    Each call is forked from one probe server per worker that has imported NeMo-RL once
-    (tests/fork_server.py); a new process instead under ``ALIGNPIPE_TEST_FRESH_PROCESSES=1`` or
-    when the environment is not the server's."""
-    import functools
+    """``call(probe, payload, timeout=600) -> result``: runs probe ``probe`` of
+    tests/nemo_rl_probe.py on NeMo-RL's source with ``payload`` (anything ``torch.save`` takes)
+    and returns what the probe returned. One ``--worker`` process per test process runs the
+    calls one after another, having imported NeMo-RL once; started on the first call, and again
+    on the call after one that killed it."""
+    import contextlib
+    import json
+    import select
+    import signal
     import tempfile
 
     import torch
 
-    from tests import fork_server
-
     python = nemo_rl_runtime_python()
-    servers: list[fork_server.Server] = []
+    tmp = Path(tempfile.mkdtemp(prefix="nemo-rl-probe-"))
+    log = tmp / "worker.log"
+    workers: list[subprocess.Popen] = []
 
-    def start(argv: list[str], env: dict[str, str], stdout, stderr):
-        if env.get(fork_server.FRESH) != "1":
-            if not servers or not servers[0].alive():
-                command = [str(python), "-m", "tests.nemo_rl_probe", "--serve"]
-                servers[:] = [fork_server.Server(command, env=env, cwd=REPO, name="NeMo-RL probe server")]
-            if not fork_server.differs(servers[0].env, env):
-                return servers[0].start(argv, REPO, env, stdout, stderr)
-        command = [str(python), "-m", "tests.nemo_rl_probe", *argv]
-        return subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=stdout, stderr=stderr, start_new_session=True
-        )
+    def stop(proc: subprocess.Popen) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the worker and whatever it started (Ray)
+        proc.wait()
+
+    def worker() -> subprocess.Popen:
+        if not workers or workers[0].poll() is not None:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(nemo_rl_src), str(REPO)])}
+            with log.open("a") as stderr:
+                workers[:] = [
+                    subprocess.Popen(
+                        [str(python), "-m", "tests.nemo_rl_probe", "--worker"],
+                        cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                        bufsize=0, start_new_session=True,
+                    )
+                ]  # fmt: skip
+        return workers[0]
 
     def call(probe: str, payload, timeout: float = 600):
-        with tempfile.TemporaryDirectory(prefix="nemo-rl-probe-") as tmp:
-            src, out = Path(tmp) / "in.pt", Path(tmp) / "out.pt"
+        start = log.stat().st_size if log.exists() else 0
+        proc = worker()
+
+        def said() -> str:  # what the worker logged during this call
+            with log.open("rb") as f:
+                f.seek(start)
+                return f.read().decode(errors="replace")[-6000:]
+
+        with tempfile.TemporaryDirectory(dir=tmp) as call_dir:
+            src, dst = Path(call_dir) / "in.pt", Path(call_dir) / "out.pt"
             torch.save(payload, src)
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(nemo_rl_src), str(REPO)])}
-            argv = [probe, str(src), str(out)]
-            proc = fork_server.run(functools.partial(start, argv, env), argv, timeout)
-            assert proc.returncode == 0, f"NeMo-RL probe '{probe}' failed:\n{proc.stderr[-6000:]}"
-            return torch.load(out, weights_only=False)
+            request = json.dumps({"probe": probe, "src": str(src), "dst": str(dst)})
+            try:
+                proc.stdin.write((request + "\n").encode())
+                proc.stdin.flush()
+            except BrokenPipeError:
+                pass  # it died: the empty answer below says so
+            if not select.select([proc.stdout], [], [], timeout)[0]:
+                stop(proc)
+                raise TimeoutError(f"NeMo-RL probe '{probe}' ran past {timeout} s; its log:\n{said()}")
+            line = proc.stdout.readline()
+            if not line:
+                stop(proc)
+                raise RuntimeError(
+                    f"the NeMo-RL probe worker died (exit {proc.returncode}) in '{probe}'; its log:\n{said()}"
+                )
+            answer = json.loads(line)
+            assert answer["ok"], f"NeMo-RL probe '{probe}' failed:\n{answer['error'][-6000:]}\nlog:\n{said()}"
+            return torch.load(dst, weights_only=False)
 
     yield call
-    for server in servers:
-        server.close()
+    for proc in workers:
+        proc.stdin.close()  # EOF: the worker ends after the call in flight
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+        stop(proc)
+    shutil.rmtree(tmp, ignore_errors=True)

@@ -1,13 +1,15 @@
 """NeMo-RL v0.7.0's own code on given inputs, for the equivalence suite. Runs in a subprocess.
 
     python -m tests.nemo_rl_probe <probe> in.pt out.pt
-    python -m tests.nemo_rl_probe --serve     # the same, forked per request (tests/fork_server.py)
+    python -m tests.nemo_rl_probe --worker    # the same per JSON line on stdin, in one process
 
 with NeMo-RL's source first on PYTHONPATH and the interpreter from ``nemo_rl_runtime_python``
 (tests/conftest.py): ``in.pt`` is the payload the test saved, ``out.pt`` what the probe returns.
 Nothing here re-implements NeMo-RL; each probe builds NeMo-RL's objects the way its algorithm
 code does (file and function named) and calls them. The test compares the result with the
-local engine's own functions in its own process.
+local engine's own functions in its own process. A worker runs its probes one after another:
+none leaves state that changes a later one's result (``register_once``, ``share_environments``,
+a Ray per call).
 
 Three adjustments, to the machine rather than to NeMo-RL's code:
 
@@ -126,6 +128,8 @@ def share_environments() -> None:
     import nemo_rl.data.utils as data_utils
 
     create = data_utils.create_env
+    if getattr(create, "shares", False):  # a worker's later Ray call: patched already
+        return
 
     def shared(env_name: str, env_config: dict):
         key = (env_name, json.dumps(env_config, sort_keys=True, default=str))
@@ -133,6 +137,7 @@ def share_environments() -> None:
             ENVIRONMENTS[key] = create(env_name, env_config)
         return ENVIRONMENTS[key]
 
+    shared.shares = True
     data_utils.create_env = shared
 
 
@@ -558,14 +563,13 @@ def run(probe: str, payload):
     return PROBES[probe](payload)
 
 
-def main() -> None:
-    """``payload`` is one probe input, or ``{"batch": [input, ...]}`` for one result per input
-    from one process (NeMo-RL's imports and Ray start once). Probe ``calls`` runs several
-    probes in that one process: ``{name: [probe, payload]}`` -> ``{name: result}``."""
+def run_file(probe: str, src: str, dst: str) -> None:
+    """``payload`` (``src``) is one probe input, or ``{"batch": [input, ...]}`` for one result per
+    input from one Ray. Probe ``calls`` runs several probes under that one Ray:
+    ``{name: [probe, payload]}`` -> ``{name: result}``. The result goes to ``dst``."""
     import contextlib
     import os
 
-    probe, src, dst = sys.argv[1:4]
     payload = torch.load(src, weights_only=False)
     probes = {name for name, _ in payload.values()} if probe == "calls" else {probe}
     with contextlib.ExitStack() as stack:
@@ -576,6 +580,7 @@ def main() -> None:
             # A throwaway loopback cluster: without this, Ray >= 2.60 turns token auth on and
             # writes ~/.ray/auth_token, which every later `ray start --head` on the machine obeys.
             os.environ["RAY_AUTH_MODE"] = "disabled"
+            # Per call, also in a worker: no Ray (nor its actors) outlives the call that needs it.
             ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
             stack.callback(ray.shutdown)
             share_environments()
@@ -587,8 +592,12 @@ def main() -> None:
     torch.save(result, dst)
 
 
-# What the probes import, imported once by the probe server: NeMo-RL's algorithm modules take
-# ~15 s of CPU to import (wandb, transformers, torch._dynamo), more than most probes' own work.
+def main() -> None:
+    run_file(*sys.argv[1:4])
+
+
+# What the probes import, imported once by the worker: NeMo-RL's algorithm modules take ~15 s of
+# CPU to import (wandb, transformers, torch._dynamo), more than most probes' own work.
 PRELOAD = (
     "ray",
     "nemo_rl.algorithms.grpo",
@@ -605,20 +614,35 @@ PRELOAD = (
 )
 
 
-def _become_probe(argv: list[str]) -> int:
-    sys.argv = [__file__, *argv]
-    main()
-    return 0
+def worker() -> None:
+    """Run ``run_file`` per request line ``{"probe", "src", "dst"}`` on stdin, answering each
+    with one line ``{"ok": true}`` or ``{"ok": false, "error": traceback}``; end at EOF."""
+    import importlib
+    import os
+    import traceback
+
+    # The answers get the original stdout; fd 1 (and sys.stdout with it) becomes stderr, so
+    # nothing NeMo-RL, Ray or a probe prints can land between the answers.
+    sys.stdout.flush()
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    for module in PRELOAD:
+        importlib.import_module(module)
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            run_file(request["probe"], request["src"], request["dst"])
+            answer = {"ok": True}
+        except Exception:
+            answer = {"ok": False, "error": traceback.format_exc()}
+        sys.stdout.flush()
+        sys.stderr.flush()
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--serve"]:  # one process per test worker; a child per probe call
-        import importlib
-
-        from tests import fork_server
-
-        for module in PRELOAD:
-            importlib.import_module(module)
-        fork_server.serve(_become_probe)
+    if sys.argv[1:] == ["--worker"]:
+        worker()
     else:
         main()

@@ -307,6 +307,13 @@ def test_one_grpo_rollout_through_nemo_rls_loop_gives_the_local_rewards_and_adva
     assert theirs["advantages"] == pytest.approx(local.tolist(), abs=1e-5)
 
 
+def test_a_second_ray_call_in_the_probe_worker_rolls_out_the_same(upstream, nemo_rl_runtime) -> None:
+    """The probe worker runs every call in one process: a Ray started and shut down by an
+    earlier call (``upstream``'s) leaves nothing that changes the next one's rollout."""
+    first = upstream["batches"]["rollout"][0]
+    assert nemo_rl_runtime("grpo_rollout", first) == upstream["rollout"][0]
+
+
 def test_rlhf_reward_clip_is_refused_on_the_nemo_rl_engine() -> None:
     from alignpipe.config import load_params
     from alignpipe.context import build_context
