@@ -41,6 +41,17 @@ def quiet_libraries(log_file: Path) -> None:
     """Route library logging and warnings into ``log_file``; keep the console for people."""
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
+    # A library imported before this (a notebook, a test running the stage in its process) read
+    # those switches already: tell it directly.
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+        transformers_logging.set_verbosity_error()
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
     log_file.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(log_file, mode="w", encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
