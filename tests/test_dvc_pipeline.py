@@ -394,7 +394,8 @@ def test_a_launcher_or_renderer_edit_reruns_no_tiny_stage_and_a_trainer_edit_its
 ):
     """The tiny stages depend on the code they run and nothing else: editing the Slurm launcher
     or NeMo-RL's config renderer leaves `dvc repro --dry` with nothing to do; editing the local
-    DPO trainer makes dpo, and only dpo, stale (what reads its outputs re-runs when they change)."""
+    DPO trainer makes dpo, and only dpo, stale (what reads its outputs re-runs when they change);
+    editing a user tool's module makes rlvr stale."""
     from tests.conftest import writable_copy
 
     root = writable_copy(tiny_pipeline.root, tmp_path / "repo")
@@ -411,3 +412,6 @@ def test_a_launcher_or_renderer_edit_reruns_no_tiny_stage_and_a_trainer_edit_its
     with (root / "alignpipe/engines/local/stages/dpo.py").open("a") as f:
         f.write("# an edit\n")
     assert would_run() == {"dpo"}
+    with (root / "tools/units.py").open("a") as f:  # a user tool's module: rlvr imports it from tools/
+        f.write("# an edit\n")
+    assert would_run() == {"dpo", "rlvr"}

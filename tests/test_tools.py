@@ -411,3 +411,58 @@ def test_rendered_calls_parse_back_to_themselves(content):
         "type": "function",
         "function": {"name": "calculator", "arguments": '{"expression": "1 / 3"}'},
     }
+
+
+# --------------------------------------------------------------------------- user tools a stage can track
+
+
+def test_a_stage_imports_user_tools_from_the_repositorys_tools_folder():
+    from tests.conftest import REPO
+
+    convert = {"name": "convert", "function": "units:convert", "description": "d", "sandbox": False,
+               "parameters": {"type": "object", "properties": {"value": {"type": "number"}}}}  # fmt: skip
+    toolset = build_toolset({"tools": [convert]}, repo=REPO)
+    assert toolset.call(call("convert", value=1500, unit="m", to="km")).text == "1.5 km"
+    refused = toolset.call(call("convert", value=1, unit="m", to="kg"))
+    assert refused.error and "cannot convert length (m) to mass (kg)" in refused.text
+
+
+def test_a_user_tool_whose_edits_dvc_cannot_see_is_refused(tmp_path):
+    """A module in the repository outside tools/, or outside it and not installed: a stage
+    refuses it (a library caller, giving no repository, may use it)."""
+    repo, elsewhere = tmp_path / "repo", tmp_path / "elsewhere"
+    (repo / "tools").mkdir(parents=True)
+    (repo / "lib").mkdir()
+    elsewhere.mkdir()
+    tag = uuid.uuid4().hex[:8]
+    inside, outside = f"repo_tool_{tag}", f"outside_tool_{tag}"
+    (repo / "lib" / f"{inside}.py").write_text("def f():\n    return 'x'\n")
+    (elsewhere / f"{outside}.py").write_text("def f():\n    return 'x'\n")
+    sys.path[:0] = [str(repo / "lib"), str(elsewhere)]
+    try:
+        for module, problem in (
+            (inside, "is in the repository but not in tools/"),
+            (outside, "is neither in the repository's tools/ nor an installed package"),
+        ):
+            tool = {
+                "name": "t",
+                "function": f"{module}:f",
+                "description": "d",
+                "parameters": {},
+                "sandbox": False,
+            }
+            with pytest.raises(ConfigError, match=f"tool 't': its module .*{module}.py {problem}"):
+                build_toolset({"tools": [tool]}, repo=repo)
+            assert build_toolset({"tools": [tool]}).call(ToolCall("t")).text == "x"
+        installed = {
+            "name": "dump",
+            "function": "json:dumps",
+            "description": "d",
+            "parameters": {},
+            "sandbox": False,
+        }
+        assert build_toolset({"tools": [installed]}, repo=repo).names == ["dump"]  # the environment pins it
+    finally:
+        del sys.path[:2]
+        for module in (inside, outside):
+            sys.modules.pop(module, None)

@@ -6,13 +6,17 @@ Config (a mapping; it will live in a profile's ``alignpipe:`` section)::
       - calculator                     # a builtin, by name
       - {name: python, timeout_s: 5}   # a builtin with its own limit
       - name: lookup                   # a user tool: module:function, schema given here
-        function: my_tools.search:lookup
+        function: glossary:lookup      # tools/glossary.py in the repository
         description: Look a word up in the glossary.
         parameters: {type: object, properties: {word: {type: string}}, required: [word]}
         sandbox: true                  # default: a sandboxed subprocess per call; false: in-process
     timeout_s: 10                      # per call, unless a tool sets its own
     max_output_chars: 4096             # an observation longer than this is cut, with a marker
     sandbox: {memory_mb: 1024}         # resource limits of sandboxed calls (nproc, fsize_mb, nofile too)
+
+A stage imports user tools' modules from the repository's ``tools/`` folder (``TOOLS_DIR``), a
+dep of rlvr in dvc.yaml, so editing one re-runs the stage; an installed package's module is
+pinned by the environment instead. Any other module file is refused: DVC would not see it change.
 
 A user tool is called ``function(**arguments)`` and returns a string (the observation) or
 anything JSON can hold (the observation is its JSON text). Sandboxed, it runs in
@@ -28,6 +32,8 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -58,6 +64,7 @@ PYTHON_SCHEMA = {
 }
 BUILTIN_TOOLS = ("calculator", "python")
 TOOLSET_KEYS = ("tools", "timeout_s", "max_output_chars", "sandbox")
+TOOLS_DIR = "tools"  # the repository's folder of user tools' modules (module docstring)
 TOOL_KEYS = ("name", "function", "description", "parameters", "sandbox", "timeout_s")
 SANDBOX_KEYS = ("memory_mb", "nproc", "fsize_mb", "nofile")  # time and output follow the tool's own
 
@@ -81,6 +88,7 @@ class Tool:
     invoke: Callable[[dict], _Outcome]
     timeout_s: float
     sandboxed: bool
+    source: str = ""  # a user tool's module file ("" for builtins)
 
     @property
     def schema(self) -> dict:
@@ -266,8 +274,9 @@ def _refuse(where: str, tool: str, problem: str, fix: str) -> ConfigError:
     return ConfigError(f"{where}: tool {tool!r}: {problem} (fix: {fix})")
 
 
-def _import_function(where: str, name: str, function) -> tuple[Callable, str]:
-    """The callable ``module:function`` names, and the sys.path directory its module came from ("" if none)."""
+def _import_function(where: str, name: str, function) -> tuple[Callable, str, str]:
+    """The callable ``module:function`` names, the sys.path directory its module came from and
+    its file ("" for both if none)."""
     if not isinstance(function, str) or function.count(":") != 1 or not all(function.split(":")):
         raise _refuse(
             where,
@@ -293,10 +302,11 @@ def _import_function(where: str, name: str, function) -> tuple[Callable, str]:
         raise _refuse(where, name, f"{function} is a {type(obj).__name__}, not a callable", "name a function")
     path = Path(getattr(module, "__file__", None) or "")
     if not path.name:  # built into the interpreter (or a namespace package): nowhere to point the sandbox
-        return obj, ""
+        return obj, "", ""
+    source = str(path)
     if path.name == "__init__.py":
         path = path.parent
-    return obj, str(path.parents[len(module_name.split(".")) - 1])
+    return obj, str(path.parents[len(module_name.split(".")) - 1]), source
 
 
 def _check_in_sandbox(where: str, name: str, root: str, function: str, limits: SandboxLimits) -> None:
@@ -355,7 +365,7 @@ def _build_tool(where: str, spec, timeout_s: float, sandbox: SandboxLimits, max_
     problem = schema_problem(spec["parameters"])
     if problem:
         raise _refuse(where, name, problem, "give an OpenAI function parameters schema")
-    fn, root = _import_function(where, name, spec["function"])
+    fn, root, source = _import_function(where, name, spec["function"])
     in_sandbox = spec.get("sandbox", True)
     if not isinstance(in_sandbox, bool):
         raise _refuse(where, name, f"sandbox must be true or false, got {in_sandbox!r}", "sandbox: true")
@@ -371,15 +381,41 @@ def _build_tool(where: str, spec, timeout_s: float, sandbox: SandboxLimits, max_
         invoke = _sandboxed_user_tool(root, spec["function"], limits)
     else:
         invoke = _in_process(fn, timeout_s)
-    return Tool(name, str(spec["description"]), dict(spec["parameters"]), invoke, timeout_s, in_sandbox)
+    return Tool(
+        name, str(spec["description"]), dict(spec["parameters"]), invoke, timeout_s, in_sandbox, source
+    )
 
 
-def build_toolset(config: Mapping, where: str = "tools config") -> Toolset:
+def _untracked(source: str, repo: Path) -> tuple[str, str] | None:
+    """Why DVC would not see a user tool's module file change, and the fix; None if it would."""
+    if not source:
+        return None  # built into the interpreter
+    path, repo = Path(source).resolve(), repo.resolve()
+    if path.is_relative_to(repo / TOOLS_DIR):
+        return None
+    if path.is_relative_to(repo):
+        return (
+            f"its module {path} is in the repository but not in {TOOLS_DIR}/, the folder dvc.yaml tracks "
+            "for rlvr: editing it would not re-run the stage",
+            f"move it into {TOOLS_DIR}/ and name it by its module there (e.g. glossary:lookup)",
+        )
+    installed = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    if any(path.is_relative_to(Path(p).resolve()) for p in installed):
+        return None  # an installed package: the environment pins it
+    return (
+        f"its module {path} is neither in the repository's {TOOLS_DIR}/ nor an installed package: DVC "
+        "cannot see it change",
+        f"move it into {repo / TOOLS_DIR} or install it as a package",
+    )
+
+
+def build_toolset(config: Mapping, where: str = "tools config", repo: Path | None = None) -> Toolset:
     """The toolset ``config`` describes (module docstring); ConfigError naming the tool and the fix.
 
     Every user tool is imported here, and a sandboxed one imported once more in the sandbox, so a
     misnamed or unreadable tool stops a stage before training rather than in its first rollout.
-    ``where`` prefixes every message (the profile file and key the config came from).
+    ``where`` prefixes every message (the profile file and key the config came from). A stage
+    gives its ``repo``: user tools are imported from its ``tools/`` and must be tracked there.
     """
     if not isinstance(config, Mapping):
         raise ConfigError(f"{where}: expected a mapping with 'tools', got {type(config).__name__}")
@@ -403,7 +439,13 @@ def build_toolset(config: Mapping, where: str = "tools config") -> Toolset:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{where}: sandbox.{key} must be a whole number >= 1, got {value!r}")
     sandbox = replace(SandboxLimits(), **dict(sandbox_over))
+    modules = str(repo / TOOLS_DIR) if repo is not None else None
+    if modules and modules not in sys.path:
+        sys.path.append(modules)  # last: a user module never shadows an installed one
     tools = [_build_tool(where, spec, timeout_s, sandbox, max_output_chars) for spec in specs]
+    for tool in tools if repo is not None else []:
+        if why := _untracked(tool.source, repo):
+            raise _refuse(where, tool.name, *why)
     seen: set[str] = set()
     for tool in tools:
         if tool.name in seen:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -263,6 +264,7 @@ GRPO_SEAMS = Seams(
             "compute_entropy",
         ),
         "_prepare_inputs": ("generation_batch",),
+        "__init__": ("rollout_func",),  # TRL-experimental: the tool rollouts (tool_rollout.py)
     },
 )
 
@@ -317,7 +319,9 @@ def make_trainer_class():
             kl_settings: dict[str, Any] | None = None,
             **kwargs,
         ):
-            super().__init__(*args, **kwargs)
+            with warnings.catch_warnings():  # rollout_func (tool rollouts) is TRL-experimental: the
+                warnings.filterwarnings("ignore", "You are using 'rollout_func'")  # seams check pins it
+                super().__init__(*args, **kwargs)
             moved = {
                 k: getattr(self.args, k, None)
                 for k, v in _LOSS_DEFAULTS.items()
@@ -548,7 +552,7 @@ def run_grpo(
     """
     refuse_unsupported_grpo(ctx)  # before the imports below: a refused setting fails in a second
     max_seq_len = stage_keys(ctx).policy.max_total_sequence_length
-    tools = ToolRollouts.from_settings(ctx.settings.tools, config_file(ctx), max_seq_len)
+    tools = ToolRollouts.from_settings(ctx.settings.tools, config_file(ctx), max_seq_len, ctx.root)
     from datasets import Dataset
     from trl import GRPOConfig
 

@@ -12,6 +12,7 @@ calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from alignpipe.measure.tool_generation import tool_rollouts
@@ -82,14 +83,15 @@ class ToolRollouts:
     malformed_penalty: float = 0.0
 
     @classmethod
-    def from_settings(cls, settings, where: str, max_seq_len: int) -> ToolRollouts | None:
+    def from_settings(cls, settings, where: str, max_seq_len: int, repo: Path) -> ToolRollouts | None:
         """The stage's ``alignpipe.tools`` (alignpipe.settings.Tools), or None when it names no
-        tool. A tool that does not exist or cannot be imported is refused here, before training."""
+        tool. A tool that does not exist, cannot be imported or is not tracked in ``repo``'s
+        tools/ is refused here, before training."""
         from alignpipe.tools import build_toolset
 
         if not settings.enabled:
             return None
-        toolset = build_toolset(settings.toolset_config(), where=f"{where}: alignpipe.tools")
+        toolset = build_toolset(settings.toolset_config(), where=f"{where}: alignpipe.tools", repo=repo)
         return cls(toolset, settings.max_rollout_turns, max_seq_len, settings.malformed_penalty)
 
     def rollout_func(self, args):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from alignpipe.data.schema import as_conversation
@@ -329,7 +330,9 @@ class _ToolEnvironment(EnvironmentInterface):  # type: ignore[misc,valid-type]
 
         self.cfg = dict(cfg)
         self.tokenizer = get_tokenizer(self.cfg["tokenizer"])
-        self.toolset = build_toolset(self.cfg["toolset"], where=f"env.{TOOLS_ENV_NAME}.toolset")
+        self.toolset = build_toolset(
+            self.cfg["toolset"], where=f"env.{TOOLS_ENV_NAME}.toolset", repo=Path(self.cfg["repo"])
+        )
         self.max_rollout_turns = int(self.cfg["max_rollout_turns"])
         self.malformed_penalty = float(self.cfg.get("malformed_penalty", 0.0))
         self.stats = ToolStats()

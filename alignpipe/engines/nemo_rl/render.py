@@ -263,7 +263,7 @@ def needs_registration(cfg: dict[str, Any]) -> bool:
     )
 
 
-def route_to_tools(stage: str, cfg: dict[str, Any], settings: AlignpipeSettings) -> None:
+def route_to_tools(stage: str, cfg: dict[str, Any], settings: AlignpipeSettings, root: Path) -> None:
     """With ``alignpipe.tools`` naming tools, make ``cfg`` (rendered, paths absolute) roll out
     multi-turn through alignpipe's tool environment. Every tool is built here (a user tool
     imported, in its sandbox too), so a bad one stops the stage before anything runs."""
@@ -278,7 +278,7 @@ def route_to_tools(stage: str, cfg: dict[str, Any], settings: AlignpipeSettings)
             f"{where}: a NeMo-Gym run gets its tools from its Gym agent and resources servers, not from "
             "alignpipe.tools; set alignpipe.tools.tools: [] or use the default profile"
         )
-    toolset = build_toolset(tools.toolset_config(), where=where)
+    toolset = build_toolset(tools.toolset_config(), where=where, repo=root)
     turns = get_path(cfg, "grpo.max_rollout_turns", 1)
     if turns not in (1, tools.max_rollout_turns):
         raise ConfigError(
@@ -307,6 +307,7 @@ def route_to_tools(stage: str, cfg: dict[str, Any], settings: AlignpipeSettings)
         **(env.pop(VERIFIER_ENV, None) or {}),
         "tokenizer": copy.deepcopy(tokenizer),
         "toolset": tools.toolset_config(),
+        "repo": str(root),  # user tools' modules are imported from its tools/
         "max_rollout_turns": tools.max_rollout_turns,
         "malformed_penalty": tools.malformed_penalty,
     }
@@ -410,7 +411,7 @@ def render(
     logger = cfg.setdefault("logger", {})
     logger["log_dir"] = str(paths.logs)
     logger["tensorboard_enabled"] = True
-    route_to_tools(stage, cfg, settings)
+    route_to_tools(stage, cfg, settings, root)
     return cfg
 
 
