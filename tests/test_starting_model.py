@@ -114,6 +114,24 @@ def tiny_instruct(tmp_path: Path) -> Path:
     return out
 
 
+def test_the_tiny_profile_refuses_a_pretrained_sized_model_naming_the_profile_to_use(
+    repo_copy: Path, tmp_path: Path
+) -> None:
+    """Its learning rates would wreck a pretrained model: base stops, publishing nothing."""
+    from alignpipe import tiny
+
+    tokenizer = tiny.train_tokenizer(["What is 2+2? 4."], "char")
+    cfg = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4}
+    big = tmp_path / "big"
+    tiny.build_causal_lm(tokenizer, cfg, seed=0).save_pretrained(big)  # 5.3M parameters
+    tokenizer.save_pretrained(big)
+    set_model(repo_copy, str(big))
+    result = run_cli(repo_copy, "run", "base", check=False)
+    assert result.returncode == 2 and not (repo_copy / "models" / "base").exists()
+    assert "profile tiny is tuned for its own tiny model" in result.stderr, result.stderr
+    assert f"dvc exp run -S profile=small -S model.name={big}" in result.stderr
+
+
 def test_a_hub_id_resolves_offline_from_the_hugging_face_cache(
     repo_copy: Path, tiny_instruct: Path, tmp_path: Path
 ) -> None:

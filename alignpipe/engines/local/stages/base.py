@@ -89,6 +89,14 @@ def materialise(ctx: StageContext, source: SM.ModelSource) -> None:
         if pad_from_eos:
             tokenizer.save_pretrained(out)
         parameters = SM.count_parameters(out)
+        limit = ctx.config.get("max_starting_parameters")
+        if limit is not None and parameters > limit:
+            raise ConfigError(
+                f"model.name {source.name} has {parameters:,} parameters, and profile {ctx.profile} is tuned "
+                f"for its own tiny model trained from scratch (stages/base/config/{ctx.profile}.yaml: "
+                f"max_starting_parameters {limit:,}): its learning rates and step counts would wreck a "
+                f"pretrained model. fix: dvc exp run -S profile=small -S model.name={source.name}"
+            )
         origin["pad_token"] = "eos (the model has none)" if pad_from_eos else tokenizer.pad_token
         publish.write_record(out, ctx, type="checkpoint_hf", format="hf",
                              metrics={"parameters": parameters, "vocab_size": len(tokenizer)}, source_model=origin,
