@@ -234,6 +234,16 @@ def run_cli(
     return proc
 
 
+def _set_environ(env: dict[str, str]) -> None:
+    """os.environ becomes ``env``, variable by variable: a thread starting a process meanwhile
+    (the background pipeline's git) never sees an environment without PATH."""
+    for key in os.environ.keys() - env.keys():
+        del os.environ[key]
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 def in_process(argv: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     """``alignpipe ARGV`` run by ``cli.main`` in this process, with ``cwd``, ``env`` and its output
     (Python's and the C libraries') captured; the worker's directory, environment, logging,
@@ -265,8 +275,7 @@ def in_process(argv: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess
     os.dup2(err.fileno(), 2)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            os.environ.clear()
-            os.environ.update(env)
+            _set_environ(env)
             os.chdir(cwd)
             try:
                 code = cli.main(argv)
@@ -282,8 +291,7 @@ def in_process(argv: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess
         for fd, target in zip(fds, (1, 2), strict=True):
             os.dup2(fd, target)
             os.close(fd)
-        os.environ.clear()
-        os.environ.update(saved[0])
+        _set_environ(saved[0])
         os.chdir(saved[1])
         for handler in root_logger.handlers:
             if handler not in saved[2]:
@@ -441,16 +449,20 @@ class Reproduced:
 _PIPELINE_REPRO: list[subprocess.Popen] = []
 
 
-def build_tiny_pipeline(tmp_path_factory) -> Reproduced:
-    """The committed tiny pipeline, reproduced once per test session (``build_once``)."""
+def build_tiny_pipeline(tmp_path_factory, environ: dict[str, str] | None = None) -> Reproduced:
+    """The committed tiny pipeline, reproduced once per test session (``build_once``), with
+    ``environ`` (default: this process's now). A thread passes the one it was started with: a
+    stage run in a test's process changes os.environ (ALIGNPIPE_ROOT) while it runs."""
     import json
     import re
+
+    environ = dict(os.environ if environ is None else environ)
 
     def build(tmp: Path) -> None:
         root = copy_repo(tmp / "repo", git=True)
         (tmp / "committed.lock").write_text((root / "dvc.lock").read_text())
         env = {
-            **os.environ,
+            **environ,
             **OFFLINE,
             **GIT_ENV,
             "ALIGNPIPE_SCRATCH": str(tmp / "scratch"),
@@ -489,9 +501,11 @@ def pipeline_in_background(request, tmp_path_factory):
         yield
         return
 
+    environ = dict(os.environ)  # before any test changes it
+
     def run() -> None:
         try:
-            build_tiny_pipeline(tmp_path_factory)
+            build_tiny_pipeline(tmp_path_factory, environ)
         except BaseException:  # recorded by build_once; the tests that read it report it
             pass
 
