@@ -141,9 +141,8 @@ def snapshot(source: ModelSource) -> Path:
         ) from e
 
 
-def copy_snapshot(source: ModelSource, dst: Path) -> str:
-    """Copy the Hub model's cached snapshot into ``dst``; returns its commit."""
-    src = snapshot(source)
+def copy_snapshot(source: ModelSource, src: Path, dst: Path) -> str:
+    """Copy the Hub model's cached snapshot ``src`` (``snapshot``) into ``dst``; returns its commit."""
     if not any(src.glob("*.safetensors")):
         raise ConfigError(
             f"params.yaml: model.name {source.name}: the cached snapshot {src} holds no *.safetensors "

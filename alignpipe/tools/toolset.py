@@ -443,9 +443,10 @@ def build_toolset(config: Mapping, where: str = "tools config", repo: Path | Non
     if modules and modules not in sys.path:
         sys.path.append(modules)  # last: a user module never shadows an installed one
     tools = [_build_tool(where, spec, timeout_s, sandbox, max_output_chars) for spec in specs]
-    for tool in tools if repo is not None else []:
-        if why := _untracked(tool.source, repo):
-            raise _refuse(where, tool.name, *why)
+    if repo is not None:
+        for tool in tools:
+            if why := _untracked(tool.source, repo):
+                raise _refuse(where, tool.name, *why)
     seen: set[str] = set()
     for tool in tools:
         if tool.name in seen:

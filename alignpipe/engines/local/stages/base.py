@@ -62,13 +62,14 @@ def run(ctx: StageContext) -> None:
 def materialise(ctx: StageContext, source: SM.ModelSource) -> None:
     """A local directory or Hub model into models/base, checked to load, with its lineage."""
     final = ctx.output("model")
+    src = Path(source.name).expanduser() if source.kind == "local" else SM.snapshot(source)
+    refuse_oversized(ctx, source, SM.count_parameters(src))  # before copying gigabytes
     with staged_dir(final) as out:
         if source.kind == "local":
-            src = Path(source.name).expanduser()
             SM.copy_local(src, out)
             origin = SM.lineage(source, src)
         else:
-            commit = SM.copy_snapshot(source, out)
+            commit = SM.copy_snapshot(source, src, out)
             origin = SM.lineage(source, out, commit)
         # Imported once the files are here: a wrong path or a refused download fails in a second.
         from transformers import AutoConfig, AutoTokenizer
@@ -89,20 +90,25 @@ def materialise(ctx: StageContext, source: SM.ModelSource) -> None:
         if pad_from_eos:
             tokenizer.save_pretrained(out)
         parameters = SM.count_parameters(out)
-        limit = ctx.config.get("max_starting_parameters")
-        if limit is not None and parameters > limit:
-            raise ConfigError(
-                f"model.name {source.name} has {parameters:,} parameters, and profile {ctx.profile} is tuned "
-                f"for its own tiny model trained from scratch (stages/base/config/{ctx.profile}.yaml: "
-                f"max_starting_parameters {limit:,}): its learning rates and step counts would wreck a "
-                f"pretrained model. fix: dvc exp run -S profile=small -S model.name={source.name}"
-            )
         origin["pad_token"] = "eos (the model has none)" if pad_from_eos else tokenizer.pad_token
         publish.write_record(out, ctx, type="checkpoint_hf", format="hf",
                              metrics={"parameters": parameters, "vocab_size": len(tokenizer)}, source_model=origin,
                              extra={"architecture": (config.architectures or [None])[0]})  # fmt: skip
     console.outcome("base", {"model": origin["name"], "parameters": f"{parameters:,}", "vocabulary": len(tokenizer)},
                     final.relative_to(ctx.root), ctx.started)  # fmt: skip
+
+
+def refuse_oversized(ctx: StageContext, source: SM.ModelSource, parameters: int) -> None:
+    """A profile tuned for its own from-scratch model (``max_starting_parameters``) refuses a
+    larger starting model: its learning rates and step counts would wreck a pretrained one."""
+    limit = ctx.config.get("max_starting_parameters")
+    if limit is not None and parameters > limit:
+        raise ConfigError(
+            f"model.name {source.name} has {parameters:,} parameters, and profile {ctx.profile} is tuned "
+            f"for its own tiny model trained from scratch (stages/base/config/{ctx.profile}.yaml: "
+            f"max_starting_parameters {limit:,}): its learning rates and step counts would wreck a "
+            f"pretrained model. fix: dvc exp run -S profile=small -S model.name={source.name}"
+        )
 
 
 def build_tiny(ctx: StageContext) -> None:
