@@ -219,9 +219,8 @@ def run_cli(
 ):
     """Run the real ``alignpipe`` CLI in ``root``: a stage run (``run``) in this process, from
     ``cli.main`` on (``in_process``: the worker has imported torch and TRL once, as TRL's own
-    trainer tests do; ``timeout`` applies to processes only); anything else, or with
-    ``process=True`` (what a library reads from the environment at import is the point), in a new
-    process as DVC starts one."""
+    trainer tests do); anything else, or with ``process=True`` (what a library reads from the
+    environment at import is the point), in a new process as DVC starts one."""
     full_env = {**os.environ, **OFFLINE, "ALIGNPIPE_ROOT": str(root), **(env or {})}
     if args[0] == "run" and not process:
         proc = in_process(list(args), cwd=root, env=full_env)
@@ -261,45 +260,47 @@ def in_process(argv: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess
     from alignpipe import cli
 
     root_logger = logging.getLogger()
-    environ, cwd_before, threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
-    handlers, level = root_logger.handlers[:], root_logger.level
-    with (
-        tempfile.TemporaryFile("w+", encoding="utf-8") as out,
-        tempfile.TemporaryFile("w+", encoding="utf-8") as err,
-    ):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        fds = os.dup(1), os.dup(2)
-        os.dup2(out.fileno(), 1)
-        os.dup2(err.fileno(), 2)
-        try:
-            with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                _set_environ(env)
-                os.chdir(cwd)
-                try:
-                    code = cli.main(argv)
-                except SystemExit as e:
-                    code = e.code if isinstance(e.code, int) else int(e.code is not None)
-                except Exception:
-                    traceback.print_exc()
-                    code = 1
-                logging.captureWarnings(False)
-        finally:
-            out.flush()
-            err.flush()
-            for fd, target in zip(fds, (1, 2), strict=True):
-                os.dup2(fd, target)
-                os.close(fd)
-            _set_environ(environ)
-            os.chdir(cwd_before)
-            for handler in root_logger.handlers:
-                if handler not in handlers:
-                    handler.close()
-            root_logger.handlers[:], root_logger.level = handlers, level
-            torch.set_num_threads(threads)
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(["alignpipe", *argv], code, out.read(), err.read())
+    saved = (
+        dict(os.environ),
+        os.getcwd(),
+        root_logger.handlers[:],
+        root_logger.level,
+        torch.get_num_threads(),
+    )
+    out, err = (tempfile.TemporaryFile("w+", encoding="utf-8") for _ in range(2))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fds = os.dup(1), os.dup(2)
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            _set_environ(env)
+            os.chdir(cwd)
+            try:
+                code = cli.main(argv)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+            except Exception:
+                traceback.print_exc()
+                code = 1
+            logging.captureWarnings(False)
+    finally:
+        out.flush()
+        err.flush()
+        for fd, target in zip(fds, (1, 2), strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
+        _set_environ(saved[0])
+        os.chdir(saved[1])
+        for handler in root_logger.handlers:
+            if handler not in saved[2]:
+                handler.close()
+        root_logger.handlers[:], root_logger.level = saved[2], saved[3]
+        torch.set_num_threads(saved[4])
+    out.seek(0)
+    err.seek(0)
+    return subprocess.CompletedProcess(["alignpipe", *argv], code, out.read(), err.read())
 
 
 @pytest.fixture(scope="session", autouse=True)
