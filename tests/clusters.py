@@ -49,17 +49,24 @@ def wait_until(check: Callable[[], bool], timeout_s: float, what: str, interval_
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on loopback right now (held open together so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct ports free on loopback right now, outside the kernel's ephemeral range and
+    Ray's worker ports (10002-19999). A port the kernel handed out for ``bind(0)`` and that was
+    closed again goes back into that range: a Ray component binding port 0 later could get it
+    first (seen in CI: the client server's port "already in use")."""
+    import random
+
+    low, high = 20000, 32767  # Linux's ephemeral range starts at 32768 by default
+    ports: list[int] = []
+    for port in random.sample(range(low, high), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise AssertionError(f"fewer than {n} free ports in {low}-{high}")
 
 
 def ensure_installed() -> None:
