@@ -50,7 +50,9 @@ UPSTREAM_FIXTURES = ("nemo_rl_runtime", "dcp_run", "megatron_run")  # the last t
 
 # `make test` runs the suite on every core (pytest-xdist, --dist loadgroup). Each test module
 # stays on one worker, so a module's fixtures are built once; the modules that start Slurm and
-# Ray clusters share one, so no two clusters run at once.
+# Ray clusters share one, so no two clusters run at once; and the modules that call NeMo-RL's
+# probe worker share one, so one worker imports NeMo-RL and starts its Ray, not one per core
+# (an idle local Ray costs ~2 CPU s a minute until the session ends).
 CLUSTER_MODULES = ("test_slurm", "test_ray", "test_ray_auth", "test_launch_plan")
 
 
@@ -60,13 +62,14 @@ CLUSTER_MODULES = ("test_slurm", "test_ray", "test_ray_auth", "test_launch_plan"
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items) -> None:
     groups: dict[str, list] = {}
+    probing = {item.module for item in items if "nemo_rl_runtime" in item.fixturenames}
     for item in items:
         if any(name in item.fixturenames for name in TRAINING_FIXTURES):
             item.add_marker(pytest.mark.slow)
         if any(name in item.fixturenames for name in UPSTREAM_FIXTURES):
             item.add_marker(pytest.mark.upstream)
         module = item.module.__name__.rsplit(".", 1)[-1]
-        group = "clusters" if module in CLUSTER_MODULES else module
+        group = "clusters" if module in CLUSTER_MODULES else "nemo_rl_runtime" if item.module in probing else module
         item.add_marker(pytest.mark.xdist_group(group))
         groups.setdefault(group, []).append(item)
     items[:] = [item for group in schedule_order(groups) for item in groups[group]]
