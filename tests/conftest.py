@@ -69,7 +69,11 @@ def pytest_collection_modifyitems(items) -> None:
         if any(name in item.fixturenames for name in UPSTREAM_FIXTURES):
             item.add_marker(pytest.mark.upstream)
         module = item.module.__name__.rsplit(".", 1)[-1]
-        group = "clusters" if module in CLUSTER_MODULES else "nemo_rl_runtime" if item.module in probing else module
+        group = module
+        if module in CLUSTER_MODULES:
+            group = "clusters"
+        elif item.module in probing:
+            group = "nemo_rl_runtime"
         item.add_marker(pytest.mark.xdist_group(group))
         groups.setdefault(group, []).append(item)
     items[:] = [item for group in schedule_order(groups) for item in groups[group]]

@@ -54,3 +54,27 @@ def test_other_schedulers_are_refused() -> None:
     entries = [{"name": "torch.optim.lr_scheduler.CosineAnnealingLR", "kwargs": {"T_max": 10}}]
     with pytest.raises(UnsupportedSetting, match="CosineAnnealingLR.*LinearLR and ConstantLR"):
         lr_factor(entries)
+
+
+def test_a_local_trainer_steps_that_schedule_and_one_built_without_it_is_refused(tmp_path: Path) -> None:
+    """What a local trainer steps is the LambdaLR above, built by the trainer itself
+    (``create_scheduler``); a trainer class not built with ``checkpoints.scheduled`` would step
+    HF's own schedule, so ``train_resumable`` refuses it."""
+    from transformers import Trainer, TrainingArguments
+
+    from alignpipe.engines.local.checkpoints import train_resumable
+    from alignpipe.engines.local.schedule import with_nemo_rl_schedule
+
+    entries = rendered("sft", "small", tmp_path)["policy"]["scheduler"]  # a warm-up from 0.1
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), learning_rate=1.0, report_to=[], use_cpu=True)
+    trainer = with_nemo_rl_schedule(Trainer, entries)(model=torch.nn.Linear(2, 2), args=args)
+    trainer.create_optimizer_and_scheduler(num_training_steps=20)
+    factor, seen = lr_factor(entries), []
+    for _ in range(10):
+        seen.append(trainer.optimizer.param_groups[0]["lr"])
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+    assert seen == pytest.approx([factor(step) for step in range(10)], rel=1e-12)
+    assert seen[0] < seen[-1] == 1.0  # not HF's constant schedule
+    with pytest.raises(TypeError, match=r"Trainer was not built with checkpoints.scheduled"):
+        train_resumable(None, Trainer(model=torch.nn.Linear(2, 2), args=args), None, {})

@@ -15,7 +15,7 @@ from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, publish
 from alignpipe.engines.local.live_log import replay_history
 from alignpipe.engines.local.nemo_rl_keys import stage_keys
-from alignpipe.engines.local.schedule import use_nemo_rl_schedule
+from alignpipe.engines.local.schedule import NemoRLSchedule, with_nemo_rl_schedule
 
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -32,6 +32,13 @@ def latest_checkpoint(scratch: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
+def scheduled(ctx: StageContext, trainer_cls: type) -> type:
+    """``trainer_cls`` stepping the stage's NeMo-RL learning-rate schedule (``policy.scheduler``)."""
+    return with_nemo_rl_schedule(
+        trainer_cls, stage_keys(ctx).policy.scheduler, f"stages/{ctx.name}/config/{ctx.profile}.yaml"
+    )
+
+
 def train_resumable(ctx: StageContext, trainer, live, rename: dict[str, str]) -> None:
     """``trainer.train()``, resuming from the newest scratch checkpoint of this exact run.
 
@@ -40,10 +47,9 @@ def train_resumable(ctx: StageContext, trainer, live, rename: dict[str, str]) ->
     checkpoint's trainer_state so they stay whole, and come out byte-identical to an
     uninterrupted run's (``log_at_checkpoints``; tests/test_resume.py).
     """
+    if not isinstance(trainer, NemoRLSchedule):  # HF's own schedule would run silently
+        raise TypeError(f"{type(trainer).__name__} was not built with checkpoints.scheduled(ctx, ...)")
     show_progress(ctx, trainer)
-    use_nemo_rl_schedule(
-        trainer, stage_keys(ctx).policy.scheduler, f"stages/{ctx.name}/config/{ctx.profile}.yaml"
-    )
     trainer.add_callback(log_at_checkpoints())
     resume = latest_checkpoint(ctx.scratch_dir)
     if resume is not None:

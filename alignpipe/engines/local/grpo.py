@@ -28,7 +28,7 @@ from alignpipe.config import get_path
 from alignpipe.context import StageContext
 from alignpipe.data.schema import as_conversation
 from alignpipe.engines.local import live_log, lora
-from alignpipe.engines.local.checkpoints import publish_trained, train_resumable
+from alignpipe.engines.local.checkpoints import publish_trained, scheduled, train_resumable
 from alignpipe.engines.local.nemo_rl_keys import ProfileKeys, config_file, grpo_keys, stage_keys
 from alignpipe.engines.local.tool_rollout import ToolRollouts
 from alignpipe.engines.local.torch_threads import apply_torch_threads
@@ -580,7 +580,7 @@ def run_grpo(
     )
     live = live_log.open_live(ctx)
     names = local_keys(ctx.name)  # TRL log key -> pipeline metric (measure/metrics.py)
-    trainer_cls = make_trainer_class()
+    trainer_cls = scheduled(ctx, make_trainer_class())
     rollout = {}
     if tools is not None:
         reward_fn.malformed_penalty = tools.malformed_penalty

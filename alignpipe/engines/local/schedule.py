@@ -52,17 +52,23 @@ def lr_factor(
     return factor
 
 
-def use_nemo_rl_schedule(
-    trainer, entries: Sequence[Mapping[str, Any]], where: str = "the stage's config"
-) -> None:
-    """Make ``trainer`` (any HF Trainer) step :func:`lr_factor` instead of its own schedule."""
-    from torch.optim.lr_scheduler import LambdaLR
+class NemoRLSchedule:
+    """Mixin for an HF Trainer: ``create_scheduler``, the Trainer's documented override point,
+    steps ``lr_factor`` (NeMo-RL's schedule) with a ``LambdaLR`` instead of HF's own schedule."""
 
+    lr_factor: Callable[[int], float]
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        from torch.optim.lr_scheduler import LambdaLR
+
+        if self.lr_scheduler is None:
+            self.lr_scheduler = LambdaLR(optimizer or self.optimizer, self.lr_factor)
+        return self.lr_scheduler
+
+
+def with_nemo_rl_schedule(
+    trainer_cls: type, entries: Sequence[Mapping[str, Any]], where: str = "the stage's config"
+) -> type:
+    """``trainer_cls`` (any HF Trainer) stepping :func:`lr_factor` of ``entries``."""
     factor = lr_factor(entries, where)
-
-    def create_scheduler(num_training_steps: int, optimizer=None):
-        if trainer.lr_scheduler is None:
-            trainer.lr_scheduler = LambdaLR(optimizer or trainer.optimizer, factor)
-        return trainer.lr_scheduler
-
-    trainer.create_scheduler = create_scheduler
+    return type(trainer_cls.__name__, (NemoRLSchedule, trainer_cls), {"lr_factor": staticmethod(factor)})

@@ -35,7 +35,7 @@ from typing import Any
 from alignpipe import console
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, lora
-from alignpipe.engines.local.checkpoints import publish_trained, train_then_validate
+from alignpipe.engines.local.checkpoints import publish_trained, scheduled, train_then_validate
 from alignpipe.engines.local.micro_batches import length_sorted
 from alignpipe.engines.local.nemo_rl_keys import DpoKeys, dpo_keys, stage_keys
 from alignpipe.engines.local.preference_pairs import preference_splits
@@ -324,7 +324,7 @@ def run(ctx: StageContext) -> None:
         at_start=bool(val_pairs) and dpo.val_at_start,
     )
     longest_side = lambda row: len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"]))  # noqa: E731
-    trainer = length_sorted(make_trainer_class(), longest_side)(
+    trainer = scheduled(ctx, length_sorted(make_trainer_class(), longest_side))(
         sft=sft,
         model=model,
         ref_model=reference,

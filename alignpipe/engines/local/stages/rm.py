@@ -32,7 +32,7 @@ from typing import Any
 from alignpipe import console
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, lora
-from alignpipe.engines.local.checkpoints import publish_trained, train_then_validate
+from alignpipe.engines.local.checkpoints import publish_trained, scheduled, train_then_validate
 from alignpipe.engines.local.micro_batches import length_sorted
 from alignpipe.engines.local.nemo_rl_keys import rm_keys, stage_keys
 from alignpipe.engines.local.preference_pairs import preference_splits
@@ -169,7 +169,7 @@ def run(ctx: StageContext) -> None:
     )
     # A pair is scored as two rows padded together: its longer answer sets its width.
     pair_width = lambda row: max(len(row["chosen_ids"]), len(row["rejected_ids"]))  # noqa: E731
-    trainer = length_sorted(RewardTrainer, pair_width)(
+    trainer = scheduled(ctx, length_sorted(RewardTrainer, pair_width))(
         model=model,
         args=args,
         # NeMo-RL's tokens (preference_pairs.preference_examples), as RewardTrainer's pre-tokenised rows

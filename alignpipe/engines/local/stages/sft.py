@@ -13,7 +13,7 @@ from __future__ import annotations
 from alignpipe import console
 from alignpipe.context import StageContext
 from alignpipe.engines.local import live_log, lora
-from alignpipe.engines.local.checkpoints import publish_trained, train_resumable
+from alignpipe.engines.local.checkpoints import publish_trained, scheduled, train_resumable
 from alignpipe.engines.local.micro_batches import length_sorted
 from alignpipe.engines.local.nemo_rl_keys import SftDataKeys, sft_keys, stage_keys
 from alignpipe.engines.local.torch_threads import apply_torch_threads
@@ -120,7 +120,7 @@ def run(ctx: StageContext) -> None:
             completion_only_loss=True,
             eval_on_start=sft.val_at_start,
         )
-        trainer = length_sorted(SFTTrainer, lambda row: len(row["input_ids"]))(
+        trainer = scheduled(ctx, length_sorted(SFTTrainer, lambda row: len(row["input_ids"])))(
             model=model,
             args=args,
             train_dataset=train,
