@@ -56,7 +56,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from alignpipe.rewards.landlock import WriteConfinement, abi_version
@@ -124,9 +124,6 @@ class SandboxResult:
     @property
     def score(self) -> float:
         return 1.0 if self.passed else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # --------------------------------------------------------------------------- harness

@@ -51,14 +51,6 @@ class ToolCall:
     id: str = ""
     problem: str = ""
 
-    def to_openai(self) -> dict:
-        """``{"id", "type": "function", "function": {"name", "arguments"}}`` (an assistant turn's tool_calls)."""
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-
 
 @dataclass(frozen=True)
 class ToolResult:
