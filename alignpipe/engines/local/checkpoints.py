@@ -51,6 +51,8 @@ def train_resumable(ctx: StageContext, trainer, live, rename: dict[str, str]) ->
         raise TypeError(f"{type(trainer).__name__} was not built with checkpoints.scheduled(ctx, ...)")
     show_progress(ctx, trainer)
     trainer.add_callback(log_at_checkpoints())
+    if not stage_keys(ctx).algorithm.val_at_end:
+        trainer.add_callback(no_validation_at_end())
     resume = latest_checkpoint(ctx.scratch_dir)
     if resume is not None:
         print(f"{ctx.name}: resuming from {resume}")
@@ -77,6 +79,24 @@ def log_at_checkpoints():
                 control.should_log = True
 
     return LogAtCheckpoints()
+
+
+def no_validation_at_end():
+    """A callback for ``<algo>.val_at_end: false``: transformers validates after the last step
+    whenever that step is off the validation period (DefaultFlowCallback); NeMo-RL then
+    validates only on the period. Added after transformers' own, it takes that back."""
+    from transformers import TrainerCallback
+
+    class NoValidationAtEnd(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if (
+                state.global_step >= state.max_steps
+                and state.eval_steps
+                and state.global_step % state.eval_steps
+            ):
+                control.should_evaluate = False
+
+    return NoValidationAtEnd()
 
 
 # Trainer log keys shown on the progress bar, under short names.
