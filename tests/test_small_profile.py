@@ -26,12 +26,11 @@ HELDOUT = {"alignpipe": {"heldout": {"limit": 8}}}
 REDUCED = merged(ONE_THREAD, {
     # 8 steps of 4 rows (the profile's: 8): rlvr's reward afterwards is what it was after 8 of 8
     # (one of 16 samples right in one of the two steps), for 60 CPU s less.
-    "sft": merged({"sft": {"max_num_steps": 8, "val_global_batch_size": 8, "val_micro_batch_size": 8},
+    "sft": merged({"sft": {"max_num_steps": 8, "val_at_end": False},
                    "policy": {"train_global_batch_size": 4, "train_micro_batch_size": 4}}, HELDOUT),
     # One GRPO step (its 16 samples earn the reward the test asserts; a second step drew none),
-    # validated on 8 prompts at the end alone: the test reads no learning curve.
-    "rlvr": merged({"grpo": {"max_num_steps": 1, "max_val_samples": 8, "val_batch_size": 8, "val_at_start": False}},
-                   HELDOUT),
+    # and no validation: the tests read no learning curve.
+    "rlvr": merged({"grpo": {"max_num_steps": 1, "val_at_start": False, "val_at_end": False}}, HELDOUT),
     "convert": {"alignpipe": {"export": {"verify": {"prompts": 2}}}},
     "benchmark": {"alignpipe": {"benchmark": {"tasks": [
         {"name": "heldout_boxed", "limit": 8}, {"name": "preference_choice", "limit": 8}]}}},
