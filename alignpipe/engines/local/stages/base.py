@@ -63,7 +63,8 @@ def materialise(ctx: StageContext, source: SM.ModelSource) -> None:
     """A local directory or Hub model into models/base, checked to load, with its lineage."""
     final = ctx.output("model")
     src = Path(source.name).expanduser() if source.kind == "local" else SM.snapshot(source)
-    refuse_oversized(ctx, source, SM.count_parameters(src))  # before copying gigabytes
+    parameters = SM.count_parameters(src)  # the copy below holds the same shards, byte for byte
+    refuse_oversized(ctx, source, parameters)  # before copying gigabytes
     with staged_dir(final) as out:
         if source.kind == "local":
             SM.copy_local(src, out)
@@ -89,7 +90,6 @@ def materialise(ctx: StageContext, source: SM.ModelSource) -> None:
         pad_from_eos = SM.ensure_pad_token(tokenizer)
         if pad_from_eos:
             tokenizer.save_pretrained(out)
-        parameters = SM.count_parameters(out)
         origin["pad_token"] = "eos (the model has none)" if pad_from_eos else tokenizer.pad_token
         publish.write_record(out, ctx, type="checkpoint_hf", format="hf",
                              metrics={"parameters": parameters, "vocab_size": len(tokenizer)}, source_model=origin,
