@@ -231,6 +231,30 @@ def test_a_template_that_cannot_render_tools_is_refused_naming_it(tokenizers) ->
     assert "sft/train.jsonl:2" in msg and str(tokenizers["small"]) in msg and "'get_weather'" in msg
 
 
+def test_the_smollm2_tool_template_renders_tools_and_nothing_else_differently(tokenizers) -> None:
+    """benchmarks/smollm2_tools.jinja (what benchmarks/tools_small.sh gives SmolLM2): the rows the
+    model's own template refuses train their calls, and a row without tools renders as before."""
+    from alignpipe.engines.local.nemo_rl_keys import SftDataKeys
+    from alignpipe.engines.local.stages.sft import sft_examples
+    from tests.conftest import REPO
+
+    own = load_tokenizer(tokenizers["small"])
+    tokenizer = load_tokenizer(tokenizers["small"])
+    tokenizer.chat_template = (REPO / "benchmarks" / "smollm2_tools.jinja").read_text()
+    for row in [*SFT_ROWS, [{"role": "system", "content": "Be brief."}, *SFT_ROWS[0]]]:
+        assert tokenizer.apply_chat_template(row, tokenize=False) == own.apply_chat_template(
+            row, tokenize=False
+        )
+    cfg = SftDataKeys(max_input_seq_length=512, add_bos=True, add_eos=True, add_generation_prompt=False)
+    calc = sft_examples(tokenizer, TOOL_ROWS[1:], cfg)[0]
+    trained = [t for t, m in zip(calc["input_ids"], calc["completion_mask"], strict=True) if m]
+    assert (
+        '<tool_call>{"name": "calc", "arguments": {"expr": "2+3", "precision": 2}}</tool_call>'
+        in tokenizer.decode(trained)
+    )
+    assert '"name": "get_weather"' in tokenizer.decode(calc["input_ids"])  # the schemas offered
+
+
 @pytest.mark.parametrize("stage", ["dpo", "rm"])
 @pytest.mark.parametrize("profile", ["tiny", "small"])
 def test_preference_tokens_and_masks_equal_nemo_rls(stage, profile, tokenizers, upstream) -> None:

@@ -55,8 +55,9 @@ def sft_examples(
                 "messages",
                 f"a tool-calling conversation, but the chat template of {tokenizer.name_or_path} does not "
                 f"render tools or tool calls ({', '.join(repr(n) for n in missing)} missing from the rendered text)",
-                "use a model whose chat template takes `tools` (e.g. Qwen2.5, Llama 3.1 instruct), "
-                "or leave tool-calling sources out of sft",
+                "use a model whose chat template takes `tools` (e.g. Qwen2.5, Llama 3.1 instruct), give the "
+                "model directory a chat_template.jinja that does (for a ChatML model such as SmolLM2: "
+                "benchmarks/smollm2_tools.jinja), or leave tool-calling sources out of sft",
             )
         out.append(
             sft_example(
