@@ -10,7 +10,8 @@
 #
 #   bash benchmarks/seeds_small.sh MODEL_DIR [SEED...]   # default seeds 1-4; ~25 min each on 2 cores
 # MODEL_DIR: SmolLM2-135M-Instruct (`python -m tests.smollm2`). Writes
-# benchmarks/results/seeds_small.json and prints the Markdown table. Measured, never asserted.
+# benchmarks/results/seeds_small.json (pooled over the SEEDs given) and each seed's evaluate
+# samples under benchmarks/results/seeds_small/, and prints the Markdown table. Measured, never asserted.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 model="$(cd "$1" && pwd)"
@@ -18,6 +19,7 @@ shift
 seeds=("${@:-1 2 3 4}")
 read -r -a seeds <<<"${seeds[*]}"
 work="$(mktemp -d)"
+keep="$here/benchmarks/results/seeds_small"  # per seed: evaluate's samples.jsonl and metrics.json
 trap 'rm -rf "$work"' EXIT
 git clone -q "$here" "$work/alignpipe"
 cd "$work/alignpipe"
@@ -30,19 +32,20 @@ for seed in "${seeds[@]}"; do
       || { tail -20 "$work/seed-$seed-$stage.log"; exit 1; }
     tail -1 "$work/seed-$seed-$stage.log"
   done
-  mkdir -p "$work/seed-$seed" && cp results/evaluate/samples.jsonl results/evaluate/metrics.json "$work/seed-$seed/"
+  # Kept beside the summary: a later seed pools with these, and another machine's run compares with them.
+  mkdir -p "$keep/seed-$seed" && cp results/evaluate/samples.jsonl results/evaluate/metrics.json "$keep/seed-$seed/"
 done
-python - "$here/benchmarks/results/seeds_small.json" "$work" "${seeds[@]}" <<'PY'
+python - "$here/benchmarks/results/seeds_small.json" "$keep" "${seeds[@]}" <<'PY'
 import json, platform, subprocess, sys
 
 from alignpipe.measure.compare import Run
 from alignpipe.measure.seeds import as_json, markdown, pool
 
-out, work, *seeds = sys.argv[1:]
+out, keep, *seeds = sys.argv[1:]
 runs = []
 for seed in seeds:
     heldout = {}
-    for line in open(f"{work}/seed-{seed}/samples.jsonl"):
+    for line in open(f"{keep}/seed-{seed}/samples.jsonl"):
         row = json.loads(line)
         heldout.setdefault(row["policy"], []).append(row)
     runs.append(Run(f"seed {seed}", f"seed {seed}", heldout))
@@ -58,7 +61,7 @@ result.update(
     cpu=cpu,
     seeds=[int(s) for s in seeds],
     heldout_accuracy={  # each seed's own figures, beside the paired differences above
-        seed: {name: m["heldout_accuracy"] for name, m in json.load(open(f"{work}/seed-{seed}/metrics.json"))["policies"].items()}
+        seed: {name: m["heldout_accuracy"] for name, m in json.load(open(f"{keep}/seed-{seed}/metrics.json"))["policies"].items()}
         for seed in seeds
     },
 )
