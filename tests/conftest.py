@@ -33,12 +33,14 @@ for _k, _v in OFFLINE.items():
 _BIN = str(Path(sys.executable).parent)
 if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
     os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
-# The stage processes' CPU kernels in every test process too, before torch loads
-# (alignpipe/cpu_kernels.py): what a test computes in-process is the same bits on any x86-64 CPU
-# with AVX2, as what its stage processes compute.
-from alignpipe import cpu_kernels  # noqa: E402
+# The stage processes' CPU environment in every test process too, before torch loads
+# (alignpipe.context.set_cpu_env): the portable kernels, so what a test computes in-process is the
+# same bits on any x86-64 CPU with AVX2 as what its stage processes compute, and OpenMP workers
+# that sleep while they wait, so a stage run in-process with two threads on a busy machine does
+# not spin (benchmarks/RESULTS.md, "Threads").
+from alignpipe.context import set_cpu_env  # noqa: E402
 
-cpu_kernels.pin()
+set_cpu_env()
 
 # Fixtures that train: a test that uses one is `slow` whatever its own marks say; one that runs
 # NeMo-RL's runtime code (a process importing NeMo-RL, often with Ray) is `upstream`. The quick

@@ -23,7 +23,7 @@ from alignpipe.config import compose_params_text
 from alignpipe.context import build_context
 from alignpipe.engines.local import lora
 from alignpipe.errors import UnsupportedSetting
-from tests.conftest import FAST_SFT, REPO, run_cli, set_params, writable_copy
+from tests.conftest import FAST_SFT, ONE_THREAD, REPO, merged, run_cli, set_params, writable_copy
 
 AUTOMODEL = "nemo-automodel==0.7.0"
 
@@ -222,7 +222,8 @@ def lora_pipeline(trained_sft, tmp_path_factory) -> Path:
     AutoModelForCausalLM.from_pretrained(base, dtype="bfloat16").save_pretrained(base)
     env = {"ALIGNPIPE_SCRATCH": str(tmp / "scratch")}
     (root / "params.yaml").write_text(compose_params_text(root.resolve(), ["lora=on"]))
-    set_params(root, {**FAST_SFT, "dpo": {"dpo": {"max_num_steps": 20}}})
+    # The composition dropped trained_sft's one thread per stage: set it again.
+    set_params(root, merged(FAST_SFT, ONE_THREAD, {"dpo": {"dpo": {"max_num_steps": 20}}}))
     for stage in ("sft", "dpo"):
         run_cli(root, "run", stage, env=env)
     run_cli(root, "run", "convert", "--source", "dpo", env=env)
