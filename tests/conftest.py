@@ -29,6 +29,9 @@ OFFLINE = {
 }
 for _k, _v in OFFLINE.items():
     os.environ.setdefault(_k, _v)
+# Every `dvc` command the tests run would otherwise start a detached `dvc daemon analytics`
+# process (~0.6 CPU s) that posts a usage report; tests send none.
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 # Stage commands (alignpipe, dvc) come from the interpreter's own environment, as under `make test`.
 _BIN = str(Path(sys.executable).parent)
 if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
