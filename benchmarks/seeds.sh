@@ -16,11 +16,13 @@ names=()
 for s in "${seeds[@]}"; do
   name="tiny-seed-$s"
   names+=("$name")
-  if ! dvc exp show --json -q 2>/dev/null | grep -q "\"$name\""; then
+  # Done already on this commit (an experiment of another commit ran another recipe: run again).
+  # grep reads all of dvc's output: `grep -q` would stop early and, under pipefail, fail the test.
+  if ! dvc exp list --name-only 2>/dev/null | grep -x "$name" >/dev/null; then
     dvc exp run --queue -q -n "$name" -S "seed=$s"
   fi
 done
 dvc queue start -j 1 -q
-while dvc queue status 2>/dev/null | grep -qE "Queued|Running"; do sleep 20; done
+while dvc queue status 2>/dev/null | grep -E "Queued|Running" >/dev/null; do sleep 20; done
 alignpipe seeds workspace "${names[@]}" --json >benchmarks/results/seeds_tiny.json
 alignpipe seeds workspace "${names[@]}"

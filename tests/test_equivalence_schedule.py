@@ -40,14 +40,13 @@ def test_local_lr_schedule_equals_nemo_rls(stage: str, profile: str, tmp_path: P
     ours = torch.optim.lr_scheduler.LambdaLR(ours_opt, lr_factor(entries))
     warmup = max(e.get("milestones", [0])[0] for e in entries if "milestones" in e)
     seen = []
-    for _ in range(warmup + 5):
+    for _ in range(warmup + 200):  # the warm-up and what follows it (tiny rm: a decay over 140 steps)
         assert ours_opt.param_groups[0]["lr"] == pytest.approx(theirs_opt.param_groups[0]["lr"], rel=1e-9)
         seen.append(ours_opt.param_groups[0]["lr"])
         for opt, sched in ((theirs_opt, theirs), (ours_opt, ours)):
             opt.step()
             sched.step()
-    assert seen[0] < seen[-1] == pytest.approx(1.0)  # a warm-up that starts above 0 (0.1 on NeMo-RL)
-    assert seen[0] > 0
+    assert 0 < seen[0] < seen[warmup] == pytest.approx(1.0)  # a warm-up that starts above 0 (0.1 on NeMo-RL)
 
 
 def test_other_schedulers_are_refused() -> None:
