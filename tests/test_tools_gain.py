@@ -6,8 +6,8 @@ rlvr rolls out with the calculator over several turns, and on the held-out ``cal
 Fewer rlvr steps than the preset's 25 and no validation, measured (Intel Xeon, one thread, calc
 rlvr - sft [95%]): 12 steps +23.5 [+13.7, +33.2] for 69 CPU s; 6 steps +14.3 [+3.3, +25.3]; the
 preset's 25 with validation +20.4 [+11.9, +28.9] for 145 CPU s. sft keeps its 250 steps: after
-125 it calls the tool on 3% of calc prompts and rlvr has nothing to reinforce. Over five draws
-of answers the preset's gain is benchmarks/results/tools_tiny.json's.
+125 it gets 3% of calc prompts right and rlvr then gains nothing (-3.1). Over five draws of
+answers the preset's gain is benchmarks/results/tools_tiny.json's.
 """
 
 from __future__ import annotations
