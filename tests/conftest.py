@@ -32,6 +32,11 @@ for _k, _v in OFFLINE.items():
 # Every `dvc` command the tests run would otherwise start a detached `dvc daemon analytics`
 # process (~0.6 CPU s) that posts a usage report; tests send none.
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+# The throwaway repositories the tests commit in (and `dvc exp run` commits to) need an author; a
+# fresh machine's git has none.
+for _who in ("GIT_AUTHOR", "GIT_COMMITTER"):
+    os.environ.setdefault(f"{_who}_NAME", "t")
+    os.environ.setdefault(f"{_who}_EMAIL", "t@t")
 # Stage commands (alignpipe, dvc) come from the interpreter's own environment, as under `make test`.
 _BIN = str(Path(sys.executable).parent)
 if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
@@ -183,17 +188,10 @@ def copy_repo(dst: Path, *, git: bool = False) -> Path:
 
 def commit_all(root: Path) -> None:
     """Make ``root`` a git repo (if it is not) and commit everything in it."""
-    env = {
-        **os.environ,
-        "GIT_AUTHOR_NAME": "t",
-        "GIT_AUTHOR_EMAIL": "t@t",
-        "GIT_COMMITTER_NAME": "t",
-        "GIT_COMMITTER_EMAIL": "t@t",
-    }
     if not (root / ".git").exists():
         subprocess.run(["git", "init", "-q"], cwd=root, check=True)
     subprocess.run(["git", "add", "-A"], cwd=root, check=True)
-    subprocess.run(["git", "commit", "-qm", "copy"], cwd=root, check=True, env=env)
+    subprocess.run(["git", "commit", "-qm", "copy"], cwd=root, check=True)
 
 
 def deep_merge(base: dict, new: dict) -> None:
@@ -414,14 +412,6 @@ def trained_sft(tmp_path_factory) -> Path:
     return build_once(tmp_path_factory, "trained-sft", build) / "repo"
 
 
-GIT_ENV = {
-    "GIT_AUTHOR_NAME": "t",
-    "GIT_AUTHOR_EMAIL": "t@t",
-    "GIT_COMMITTER_NAME": "t",
-    "GIT_COMMITTER_EMAIL": "t@t",
-}
-
-
 @pytest.fixture(scope="session")
 def prepared_repo(tmp_path_factory) -> Path:
     """A git + DVC copy of the project where `dvc repro base` has run (single-turn data) and is
@@ -432,7 +422,7 @@ def prepared_repo(tmp_path_factory) -> Path:
     def build(tmp: Path) -> None:
         root = copy_repo(tmp / "repo", git=True)
         set_params(root, merged(SINGLE_TURN, ONE_THREAD))
-        env = {**os.environ, **OFFLINE, **GIT_ENV, "ALIGNPIPE_SCRATCH": str(tmp / "scratch")}
+        env = {**os.environ, **OFFLINE, "ALIGNPIPE_SCRATCH": str(tmp / "scratch")}
         repro = subprocess.run(["dvc", "repro", "base"], cwd=root, env=env, capture_output=True, text=True)
         if repro.returncode != 0:
             raise AssertionError(f"dvc repro base failed:\n{repro.stdout[-4000:]}\n{repro.stderr[-4000:]}")
@@ -476,7 +466,6 @@ def build_tiny_pipeline(tmp_path_factory, environ: dict[str, str] | None = None)
         env = {
             **environ,
             **OFFLINE,
-            **GIT_ENV,
             "ALIGNPIPE_SCRATCH": str(tmp / "scratch"),
             "PYTHONHASHSEED": "0",
         }

@@ -14,7 +14,6 @@ import pytest
 
 from alignpipe.measure import compare as K
 from alignpipe.measure.intervals import paired_difference
-from tests.conftest import GIT_ENV
 
 # A stand-in evaluate stage: writes samples.jsonl as the evaluate stage does, from params.yaml.
 # `solved` prompts (of 40) right for policy `tuned`; `sft` always solves the first 10.
@@ -38,7 +37,7 @@ with open("results/benchmark/tuned/samples/heldout_exact.jsonl", "w") as f:
 def dvc_repo(tmp_path: Path) -> tuple[Path, dict]:
     root = tmp_path / "repo"
     root.mkdir()
-    env = {**os.environ, **GIT_ENV}
+    env = dict(os.environ)
     (root / "write.py").write_text(WRITER)
     (root / "params.yaml").write_text("solved: 10\nprompts: 40\n")
     (root / "dvc.yaml").write_text(
@@ -120,7 +119,7 @@ def test_a_revision_whose_outputs_are_not_in_the_cache_is_refused(experiment, tm
 def test_runs_on_different_held_out_sets_are_refused(experiment, tmp_path):
     root = tmp_path / "clone"
     shutil.copytree(experiment, root)
-    env = {**os.environ, **GIT_ENV}
+    env = dict(os.environ)
     run = subprocess.run(["dvc", "exp", "run", "-q", "-n", "fewer", "-S", "prompts=30"], cwd=root, env=env,
                          capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 0, run.stderr

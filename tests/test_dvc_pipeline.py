@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import GIT_ENV, REPO
+from tests.conftest import REPO
 
 CHECK_LOCK = REPO / "benchmarks" / "check_lock.sh"
 
 
 def sh(cwd: Path, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(argv, cwd=cwd, env={**os.environ, **GIT_ENV}, capture_output=True, text=True)
+    proc = subprocess.run(argv, cwd=cwd, env=os.environ, capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -227,7 +227,7 @@ def test_a_targeted_experiment_on_a_fresh_clone_is_saved(tmp_path: Path) -> None
     from tests.conftest import copy_repo
 
     root = copy_repo(tmp_path / "repo", git=True)
-    env = {**os.environ, **GIT_ENV, "ALIGNPIPE_SCRATCH": str(tmp_path / "scratch"), "PYTHONHASHSEED": "0"}
+    env = {**os.environ, "ALIGNPIPE_SCRATCH": str(tmp_path / "scratch"), "PYTHONHASHSEED": "0"}
     run = subprocess.run(["dvc", "exp", "run", "-n", "narrow", "-S", "base.model.hidden_size=64", "base"],
                          cwd=root, env=env, capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
@@ -338,7 +338,7 @@ def test_the_pipeline_reproduces_its_lock_and_an_rlhf_experiment_reruns_only_its
         assert not differences, "dvc.lock differs beyond trained weights:\n" + "\n".join(differences)
 
     root = writable_copy(tiny_pipeline.root, tmp_path / "repo")
-    env = {**os.environ, **GIT_ENV, "ALIGNPIPE_SCRATCH": str(tmp_path / "scratch"), "PYTHONHASHSEED": "0"}
+    env = {**os.environ, "ALIGNPIPE_SCRATCH": str(tmp_path / "scratch"), "PYTHONHASHSEED": "0"}
 
     def dvc(*argv: str) -> str:
         proc = subprocess.run(["dvc", *argv], cwd=root, env=env, capture_output=True, text=True)

@@ -99,10 +99,6 @@ def test_a_killed_stage_leaves_no_partial_metrics_and_checkout_restores_the_last
         **os.environ,
         **OFFLINE,
         "ALIGNPIPE_SCRATCH": str(scratch),
-        "GIT_AUTHOR_NAME": "t",
-        "GIT_AUTHOR_EMAIL": "t@t",
-        "GIT_COMMITTER_NAME": "t",
-        "GIT_COMMITTER_EMAIL": "t@t",
     }
     first = _dvc(root, "repro", "sft", env=env)
     assert first.returncode == 0, first.stdout + first.stderr

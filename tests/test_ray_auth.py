@@ -30,12 +30,6 @@ pytestmark = pytest.mark.timeout(900)
 # Made per run: a fixed string could be found in the repository by accident.
 TOKEN = secrets.token_hex(24)
 WRONG = secrets.token_hex(24)
-GIT_ENV = {
-    "GIT_AUTHOR_NAME": "t",
-    "GIT_AUTHOR_EMAIL": "t@t",
-    "GIT_COMMITTER_NAME": "t",
-    "GIT_COMMITTER_EMAIL": "t@t",
-}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +46,6 @@ def client_env(home: Path, **auth: str) -> dict[str, str]:
     return {
         **env,
         **OFFLINE,
-        **GIT_ENV,
         "HOME": str(home),
         "ALIGNPIPE_SCRATCH": str(home / "scratch"),
         **auth,

@@ -283,14 +283,12 @@ def test_ci_restores_unchanged_stages_from_the_remote_and_compares_a_change_with
     """.ci/repro.sh with a DVC remote pushes what ran with its run cache; a fresh clone then
     restores the unchanged stage rather than running it. A change on another clone runs its stage,
     and .ci/pr-summary.sh compares it with the base, whose results come from the remote."""
-    from tests.conftest import GIT_ENV
     from tests.test_compare import dvc_repo
 
     root, _ = dvc_repo(tmp_path)
     remote = tmp_path / "remote"
     env = {
         **os.environ,
-        **GIT_ENV,
         "DVC_REMOTE": str(remote),
         "DVC": str(Path(sys.executable).with_name("dvc")),
     }
