@@ -54,11 +54,14 @@ $(BIN)/.installed: pyproject.toml $(LOCK) $(BIN)/.bootstrapped
 venv: $(BIN)/.installed
 
 # After changing dependencies in pyproject.toml (or lock/torch.txt): resolve again, for every
-# platform the lock serves (lock/check.py's PLATFORMS), with every file's hash.
+# platform the lock serves (lock/check.py's PLATFORMS), with every file's hash. And NeMo-Gym's
+# venv (lock/gym.in, Python 3.12, .ci/install-gym.sh).
 lock: $(BIN)/.bootstrapped
 	$(UV) pip compile pyproject.toml $(addprefix --extra ,$(LOCK_EXTRAS)) --universal --python-version 3.11 \
 	  --generate-hashes --override lock/torch.txt --find-links $(TORCH_WHEELS) \
 	  --custom-compile-command "make lock" -o $(LOCK)
+	$(UV) pip compile lock/gym.in --universal --python-version 3.12 --generate-hashes \
+	  --custom-compile-command "make lock" -o lock/gym.txt
 
 repro: venv
 	$(BIN)/dvc repro

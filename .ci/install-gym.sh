@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# NeMo-Gym at the version NeMo-RL v0.7.0 runs (its submodule 3rdparty/Gym-workspace/Gym is Gym
-# tag v0.4.0; PyPI's nemo-gym==0.4.0 has the same nemo_gym/*.py), in its own Python >= 3.12 venv:
-# tests/test_nemo_gym_contract.py resolves the pipeline's Gym configs and runs Gym's servers with it.
-# Idempotent: a finished venv (marked .complete) is left alone.
+# NeMo-Gym's own Python >= 3.12 venv, exactly lock/gym.txt (what lock/gym.in pins, resolved by
+# `make lock`): tests/test_nemo_gym_contract.py resolves the pipeline's Gym configs and runs Gym's
+# servers with it. Installed by uv from the lock's hashes (pip resolving the same 168 packages
+# took 76 s on a fresh 2-core machine; benchmarks/RESULTS.md). Idempotent: a venv that holds this
+# lock (its digest in .complete) is left alone.
 set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+lock="$repo/lock/gym.txt"
 venv="${ALIGNPIPE_GYM_VENV:-$HOME/.cache/alignpipe/gym-0.4.0-venv}"
-[ -f "$venv/.complete" ] && exit 0
+digest="$(sha256sum "$lock" | cut -d' ' -f1)"
+[ "$(cat "$venv/.complete" 2>/dev/null)" = "$digest" ] && exit 0
 # Where a 3.12+ may be: GYM_PYTHON, on PATH (actions/setup-python puts every version it was given
 # there, the last as `python`), in the runner's tool cache (setup-python's, by path), or pyenv's.
 python=""
@@ -25,9 +29,13 @@ if [ -z "$python" ]; then
   exit 1
 fi
 rm -rf "$venv"
-"$python" -m venv "$venv"
-"$venv/bin/python" -m pip install -q --upgrade pip
-# math_with_judge's own requirement, as Gym pins it (Gym would build it a venv of its own with uv)
-"$venv/bin/python" -m pip install -q "nemo-gym==0.4.0" "math-verify==0.8.0"
+"$python" -m venv --without-pip "$venv"
+# uv at the project lock's version and hash, beside the venv (not in it: `uv pip sync` leaves the
+# venv exactly the lock).
+uv="$(mktemp -d)"
+trap 'rm -rf "$uv"' EXIT
+awk '/^[^ #]/ { keep = /^uv==/ } keep' "$repo/lock/requirements.txt" >"$uv/uv.txt"
+"$python" -m pip install -q --require-hashes --no-deps --target "$uv" -r "$uv/uv.txt"
+"$uv/bin/uv" -q pip sync --python "$venv/bin/python" --require-hashes --compile-bytecode "$lock"
 "$venv/bin/python" -c 'import nemo_gym, importlib.metadata as m; print("install-gym: nemo-gym", m.version("nemo-gym"))'
-touch "$venv/.complete"
+echo "$digest" >"$venv/.complete"

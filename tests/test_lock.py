@@ -88,3 +88,27 @@ def test_this_venv_holds_exactly_the_lock():
         f"this venv differs from lock/requirements.txt on {platform.machine()}: rebuild it (make venv)"
     )
     assert set(wanted) - set(installed) == set()
+
+
+def test_the_gym_lock_pins_what_gym_in_asks_for():
+    """lock/gym.txt (NeMo-Gym's venv, .ci/install-gym.sh) holds each lock/gym.in requirement at a
+    version it admits, and nothing else claims to come from gym.in: `make lock` was run after an edit."""
+    from packaging.requirements import Requirement
+
+    asked = {
+        canonicalize_name(r.name): r
+        for line in (ROOT / "lock" / "gym.in").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+        for r in [Requirement(line)]
+    }
+    text = (ROOT / "lock" / "gym.txt").read_text()
+    pinned = {canonicalize_name(p.name): p.version for p in check.read_lock(ROOT / "lock" / "gym.txt")}
+    assert {
+        n: str(r.specifier) for n, r in asked.items() if not r.specifier.contains(pinned.get(n, "0"))
+    } == {}
+    direct = re.findall(
+        r"^([A-Za-z0-9][A-Za-z0-9._-]*)==\S+ \\\n(?:    --hash=\S+(?: \\)?\n)+    # via -r lock/gym.in$",
+        text,
+        re.M,
+    )
+    assert {canonicalize_name(n) for n in direct} == set(asked)

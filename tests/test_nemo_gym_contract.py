@@ -29,10 +29,10 @@ PROBE = REPO / "tests" / "nemo_gym_probe.py"
 
 @pytest.fixture(scope="session")
 def gym_python() -> Path:
-    """Gym 0.4.0's interpreter; installs it (once) the way CI does. Fails, never skips."""
-    if not (GYM_VENV / ".complete").is_file():
-        proc = subprocess.run(["bash", str(REPO / ".ci" / "install-gym.sh")], capture_output=True, text=True)
-        assert proc.returncode == 0, f".ci/install-gym.sh failed:\n{proc.stdout}\n{proc.stderr}"
+    """Gym 0.4.0's interpreter, exactly lock/gym.txt: installed the way CI does (at once where the
+    venv already holds that lock). Fails, never skips."""
+    proc = subprocess.run(["bash", str(REPO / ".ci" / "install-gym.sh")], capture_output=True, text=True)
+    assert proc.returncode == 0, f".ci/install-gym.sh failed:\n{proc.stdout}\n{proc.stderr}"
     return GYM_VENV / "bin" / "python"
 
 
