@@ -276,6 +276,8 @@ def in_process(argv: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess
         root_logger.handlers[:],
         root_logger.level,
         torch.get_num_threads(),
+        sys.path[:],
+        set(sys.modules),
     )
     out, err = (tempfile.TemporaryFile("w+", encoding="utf-8") for _ in range(2))
     sys.stdout.flush()
@@ -308,6 +310,13 @@ def in_process(argv: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess
                 handler.close()
         root_logger.handlers[:], root_logger.level = saved[2], saved[3]
         torch.set_num_threads(saved[4])
+        # What the stage imported from its own repository (a user's tools/ module) goes with it,
+        # as with its process: another repository's stage must import its own copy.
+        sys.path[:] = saved[5]
+        here = Path(cwd).resolve()
+        for name in set(sys.modules) - saved[6]:
+            if Path(getattr(sys.modules[name], "__file__", None) or "/").resolve().is_relative_to(here):
+                del sys.modules[name]
     out.seek(0)
     err.seek(0)
     return subprocess.CompletedProcess(["alignpipe", *argv], code, out.read(), err.read())
