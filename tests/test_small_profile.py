@@ -26,11 +26,13 @@ HELDOUT = {"alignpipe": {"heldout": {"limit": 8}}}
 REDUCED = merged(ONE_THREAD, {
     # 8 steps of 4 rows (the profile's: 8): rlvr's reward afterwards is what it was after 8 of 8
     # (one of 16 samples right in one of the two steps), for 60 CPU s less.
-    "sft": merged({"sft": {"max_num_steps": 8, "val_at_end": False},
+    # No resumable checkpoints (a 135M one is 1.6 GB, ~3.6 CPU s to write): nothing here resumes.
+    "sft": merged({"sft": {"max_num_steps": 8, "val_at_end": False}, "checkpointing": {"enabled": False},
                    "policy": {"train_global_batch_size": 4, "train_micro_batch_size": 4}}, HELDOUT),
     # One GRPO step (its 16 samples earn the reward the test asserts; a second step drew none),
     # and no validation: the tests read no learning curve.
-    "rlvr": merged({"grpo": {"max_num_steps": 1, "val_at_start": False, "val_at_end": False}}, HELDOUT),
+    "rlvr": merged({"grpo": {"max_num_steps": 1, "val_at_start": False, "val_at_end": False},
+                    "checkpointing": {"enabled": False}}, HELDOUT),
     "convert": {"alignpipe": {"export": {"verify": {"prompts": 2}}}},
     "benchmark": {"alignpipe": {"benchmark": {"tasks": [
         {"name": "heldout_boxed", "limit": 8}, {"name": "preference_choice", "limit": 8}]}}},
