@@ -14,9 +14,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-# Fixture modules that test modules also import by name: rewrite their asserts too.
-pytest.register_assert_rewrite("tests.checkpoints")
-
 REPO = Path(__file__).resolve().parents[1]
 
 OFFLINE = {
