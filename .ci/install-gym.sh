@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # NeMo-Gym's own Python >= 3.12 venv, exactly lock/gym.txt (what lock/gym.in pins, resolved by
 # `make lock`): tests/test_nemo_gym_contract.py resolves the pipeline's Gym configs and runs Gym's
-# servers with it. Installed by uv from the lock's hashes (pip resolving the same 168 packages
-# took 76 s on a fresh 2-core machine; benchmarks/RESULTS.md). Idempotent: a venv that holds this
-# lock (its digest in .complete) is left alone.
+# servers with it. Installed by uv from the lock's hashes: 31 s on a fresh 2-core machine, where
+# pip resolving the same 168 packages took 76 s (benchmarks/RESULTS.md). Idempotent: a venv that
+# holds this lock (its digest in .complete) is left alone.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 lock="$repo/lock/gym.txt"
@@ -29,13 +29,13 @@ if [ -z "$python" ]; then
   exit 1
 fi
 rm -rf "$venv"
-"$python" -m venv --without-pip "$venv"
-# uv at the project lock's version and hash, beside the venv (not in it: `uv pip sync` leaves the
-# venv exactly the lock).
+"$python" -m venv "$venv"
+# uv at the project lock's version and hash, by the venv's own pip (a system Python may have none)
+# and beside the venv, not in it: `uv pip sync` leaves the venv exactly the lock.
 uv="$(mktemp -d)"
 trap 'rm -rf "$uv"' EXIT
 awk '/^[^ #]/ { keep = /^uv==/ } keep' "$repo/lock/requirements.txt" >"$uv/uv.txt"
-"$python" -m pip install -q --require-hashes --no-deps --target "$uv" -r "$uv/uv.txt"
+"$venv/bin/python" -m pip install -q --require-hashes --no-deps --target "$uv" -r "$uv/uv.txt"
 "$uv/bin/uv" -q pip sync --python "$venv/bin/python" --require-hashes --compile-bytecode "$lock"
 "$venv/bin/python" -c 'import nemo_gym, importlib.metadata as m; print("install-gym: nemo-gym", m.version("nemo-gym"))'
 echo "$digest" >"$venv/.complete"
