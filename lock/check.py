@@ -43,7 +43,11 @@ class Pin:
     version: str
     marker: Marker | None
     line: int
-    from_pyproject: bool  # uv's "# via" names pyproject.toml
+    via: tuple[str, ...]  # the lines under the pin (its hashes, uv's "# via" and what it names)
+
+    def comes_from(self, source: str) -> bool:
+        """Whether uv's "# via" names ``source`` ("(pyproject.toml)", "-r lock/gym.in")."""
+        return any(source in line for line in self.via if "--hash" not in line)
 
 
 def read_lock(path: Path) -> list[Pin]:
@@ -65,7 +69,7 @@ def read_lock(path: Path) -> list[Pin]:
                 version,
                 Marker(marker) if marker else None,
                 number,
-                any("(pyproject.toml)" in v for v in via),
+                tuple(via),
             )
         )
     return pins
@@ -102,7 +106,7 @@ def disagreements(pyproject: Path, lock: Path, extras: list[str]) -> list[str]:
                 )
     direct = {canonicalize_name(req.name) for req, _ in wanted}
     for pin in pins:
-        if pin.from_pyproject and pin.name not in direct:
+        if pin.comes_from("(pyproject.toml)") and pin.name not in direct:
             problems.append(
                 f"{lock}:{pin.line}: {pin.name} is locked as a requirement of {pyproject}, "
                 f"which no longer asks for it; {FIX}"
