@@ -273,9 +273,8 @@ def in_process(argv: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess
         root_logger.handlers[:],
         root_logger.level,
         torch.get_num_threads(),
-        sys.path[:],
-        set(sys.modules),
     )
+    import_path, imported = sys.path[:], set(sys.modules)
     out, err = (tempfile.TemporaryFile("w+", encoding="utf-8") for _ in range(2))
     sys.stdout.flush()
     sys.stderr.flush()
@@ -309,9 +308,9 @@ def in_process(argv: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess
         torch.set_num_threads(saved[4])
         # What the stage imported from its own repository (a user's tools/ module) goes with it,
         # as with its process: another repository's stage must import its own copy.
-        sys.path[:] = saved[5]
+        sys.path[:] = import_path
         here = Path(cwd).resolve()
-        for name in set(sys.modules) - saved[6]:
+        for name in set(sys.modules) - imported:
             if Path(getattr(sys.modules[name], "__file__", None) or "/").resolve().is_relative_to(here):
                 del sys.modules[name]
     out.seek(0)
