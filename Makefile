@@ -41,13 +41,15 @@ $(BIN)/.bootstrapped: $(LOCK)
 
 # Exactly the lock: `uv pip sync` removes what it does not list. torch goes first, on Linux
 # x86-64 from TORCH_WHEELS, checked against the lock's hash (-c); then everything else from PyPI.
-# --compile-bytecode, as pip does by default: where PYTHONDONTWRITEBYTECODE is set, nothing else
-# would write the .pyc files, and every process would compile torch and transformers again (a
-# no-op `dvc repro` spent 3.5 of its 6.6 s compiling).
+# Where PYTHONDONTWRITEBYTECODE is set, nothing would write the .pyc files and every process would
+# compile torch and transformers again (a no-op `dvc repro` spent 3.5 of its 6.6 s compiling): there
+# every module is compiled ahead (51 CPU s). Elsewhere Python writes each module's cache the first
+# time it is imported, about a fifth of them.
+COMPILE := $(if $(PYTHONDONTWRITEBYTECODE),--compile-bytecode)
 $(BIN)/.installed: pyproject.toml $(LOCK) $(BIN)/.bootstrapped
 	$(BIN)/python lock/check.py $(LOCK_EXTRAS)
-	$(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),$(UV) pip install --python $(BIN)/python --no-deps --compile-bytecode -c $(LOCK) --find-links $(TORCH_WHEELS) torch)
-	$(UV) pip sync --python $(BIN)/python --require-hashes --compile-bytecode $(LOCK)
+	$(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),$(UV) pip install --python $(BIN)/python --no-deps $(COMPILE) -c $(LOCK) --find-links $(TORCH_WHEELS) torch)
+	$(UV) pip sync --python $(BIN)/python --require-hashes $(COMPILE) $(LOCK)
 	$(UV) pip install --python $(BIN)/python --no-deps --no-build-isolation -e .
 	touch $@
 
