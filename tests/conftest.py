@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -138,7 +140,6 @@ def with_default_sigint() -> None:
     """``preexec_fn`` for a stage started by a test that sends it Ctrl-C: a shell running the
     suite in the background (``make test &``) leaves SIGINT ignored, and Python keeps an
     inherited SIG_IGN, so the stage would never see the interrupt the test sends."""
-    import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
@@ -256,7 +257,6 @@ def in_process(argv: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess
     (Python's and the C libraries') captured; the worker's directory, environment, logging,
     warning filters and torch threads are put back afterwards. An exception is a stage
     process's crash: its traceback on stderr, return code 1."""
-    import contextlib
     import logging
     import tempfile
     import traceback
@@ -763,10 +763,8 @@ def nemo_rl_runtime(nemo_rl_src: Path):
     and returns what the probe returned. One ``--worker`` process per test process runs the
     calls one after another, having imported NeMo-RL once; started on the first call, and again
     on the call after one that killed it."""
-    import contextlib
     import json
     import select
-    import signal
     import tempfile
 
     import torch
@@ -774,25 +772,19 @@ def nemo_rl_runtime(nemo_rl_src: Path):
     python = nemo_rl_runtime_python()
     tmp = Path(tempfile.mkdtemp(prefix="nemo-rl-probe-"))
     log = tmp / "worker.log"
-    workers: list[subprocess.Popen] = []
-
-    def stop(proc: subprocess.Popen) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the worker and whatever it started (Ray)
-        proc.wait()
 
     def worker() -> subprocess.Popen:
-        if not workers or workers[0].poll() is not None:
+        if not _PROBE_WORKERS or _PROBE_WORKERS[0].poll() is not None:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(nemo_rl_src), str(REPO)])}
             with log.open("a") as stderr:
-                workers[:] = [
+                _PROBE_WORKERS[:] = [
                     subprocess.Popen(
                         [str(python), "-m", "tests.nemo_rl_probe", "--worker"],
                         cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                         bufsize=0, start_new_session=True,
                     )
                 ]  # fmt: skip
-        return workers[0]
+        return _PROBE_WORKERS[0]
 
     def call(probe: str, payload, timeout: float = 600):
         start = log.stat().st_size if log.exists() else 0
@@ -813,11 +805,11 @@ def nemo_rl_runtime(nemo_rl_src: Path):
             except BrokenPipeError:
                 pass  # it died: the empty answer below says so
             if not select.select([proc.stdout], [], [], timeout)[0]:
-                stop(proc)
+                _kill_probe_worker(proc)
                 raise TimeoutError(f"NeMo-RL probe '{probe}' ran past {timeout} s; its log:\n{said()}")
             line = proc.stdout.readline()
             if not line:
-                stop(proc)
+                _kill_probe_worker(proc)
                 raise RuntimeError(
                     f"the NeMo-RL probe worker died (exit {proc.returncode}) in '{probe}'; its log:\n{said()}"
                 )
@@ -826,9 +818,37 @@ def nemo_rl_runtime(nemo_rl_src: Path):
             return torch.load(dst, weights_only=False)
 
     yield call
-    for proc in workers:
+    _stop_probe_workers()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ``nemo_rl_runtime``'s worker process, while one runs.
+_PROBE_WORKERS: list[subprocess.Popen] = []
+
+
+def _kill_probe_worker(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # the worker and whatever it started (Ray)
+    proc.wait()
+
+
+def _stop_probe_workers() -> None:
+    while _PROBE_WORKERS:
+        proc = _PROBE_WORKERS.pop()
         proc.stdin.close()  # EOF: the worker ends after the call in flight
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=30)
-        stop(proc)
-    shutil.rmtree(tmp, ignore_errors=True)
+        _kill_probe_worker(proc)
+
+
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """The tests that call NeMo-RL's probe worker run as one group on one test worker; after the
+    group, the probe worker (and its idle Ray, ~3 CPU s a minute) stops rather than idling to the
+    session's end. A later call would start it again."""
+
+    def group(test) -> str | None:
+        mark = test and test.get_closest_marker("xdist_group")
+        return mark.args[0] if mark else None
+
+    if _PROBE_WORKERS and group(item) == "nemo_rl_runtime" != group(nextitem):
+        _stop_probe_workers()
