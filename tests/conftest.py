@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import os
 import shutil
 import signal
@@ -45,9 +46,13 @@ if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
 # same bits on any x86-64 CPU with AVX2 as what its stage processes compute, and OpenMP workers
 # that sleep while they wait, so a stage run in-process with two threads on a busy machine does
 # not spin (benchmarks/RESULTS.md, "Threads").
+from alignpipe.cli import FULL_COLLECTION_EVERY  # noqa: E402
 from alignpipe.context import set_cpu_env  # noqa: E402
 
 set_cpu_env()
+# Full garbage collections deferred as in a stage process (alignpipe.cli): a test process imports
+# more (torch, transformers, TRL, lm-eval, Ray) and runs stages in it.
+gc.set_threshold(*gc.get_threshold()[:2], FULL_COLLECTION_EVERY)
 
 # Fixtures that train: a test that uses one is `slow` whatever its own marks say; one that runs
 # NeMo-RL's runtime code (a process importing NeMo-RL, often with Ray) is `upstream`. The quick
@@ -86,6 +91,12 @@ def pytest_collection_modifyitems(items) -> None:
         item.add_marker(pytest.mark.xdist_group(group))
         groups.setdefault(group, []).append(item)
     items[:] = [item for group in schedule_order(groups) for item in groups[group]]
+
+
+def pytest_collection_finish(session) -> None:
+    """What collection imported lives as long as the process: full collections (accelerate runs
+    one after every training run, ~0.4 s each here) skip it from now on."""
+    gc.freeze()
 
 
 def pytest_configure(config) -> None:
