@@ -1,7 +1,8 @@
-"""Exact resume for every trainer stage: SIGKILL after its first scratch checkpoint, a re-run
-killed again after its last, then a re-run to the end, publishes ``models/<stage>`` and ``results/<stage>`` byte-identical
-to an uninterrupted run's: weights (a LoRA adapter for sft and dpo), manifest, samples,
-metrics.json and every curve, so ``dvc.lock`` does not change.
+"""Exact resume for every trainer (sft, rm, dpo, and rlvr's GRPO, which rlhf runs too): SIGKILL
+after its first scratch checkpoint, a re-run killed again after its last, then a re-run to the
+end, publishes ``models/<stage>`` and ``results/<stage>`` byte-identical to an uninterrupted
+run's: weights (a LoRA adapter for sft and dpo), manifest, samples, metrics.json and every
+curve, so ``dvc.lock`` does not change.
 
 The settings put a checkpoint between two logging steps and a validation on the last step,
 which is where resumes went wrong: transformers' loss (and TRL's metrics) average over the
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from alignpipe.artifacts import dvc_hash, md5_file
-from tests.conftest import OFFLINE, merged, run_cli, set_params, set_writable, writable_copy
+from tests.conftest import OFFLINE, merged, run_cli, set_params, writable_copy
 
 pytestmark = pytest.mark.slow
 
@@ -57,50 +58,31 @@ SETTINGS = {
         "policy": {"train_global_batch_size": 32, "train_micro_batch_size": 16},
     },
     "dpo": {"dpo": SHORT, "checkpointing": {"save_period": 6}},
+    # rlhf is this GRPO trainer with a reward model's score for the verifier's: rlvr's chain is its.
     "rlvr": GRPO,
-    "rlhf": GRPO,
 }
-
-
-@pytest.fixture(scope="module")
-def with_rm(trained_sft: Path, tmp_path_factory) -> Path:
-    """The shared SFT repo plus a briefly trained reward model: rlhf's input, and the
-    uninterrupted rm run that the killed ones are compared with."""
-    root = writable_copy(trained_sft, tmp_path_factory.mktemp("resume") / "repo")
-    set_params(root, {"rm": SETTINGS["rm"]})
-    run_cli(root, "run", "rm", env={"ALIGNPIPE_SCRATCH": str(root.parent / "scratch")})
-    set_writable(root, False)
-    return root
 
 
 LORA = {"policy": {"dtensor_cfg": {"lora_cfg": {"enabled": True}}}}
 # Each stage once: sft and dpo train LoRA adapters (the checkpoint holds the adapter and its
 # optimizer state, not the base; dpo's reference is the disabled adapter), the others every
-# weight. Both kinds of checkpoint and every trainer's resume, at five kill chains, not seven.
+# weight. Both kinds of checkpoint and every trainer's resume, at four kill chains.
 ADAPTER_STAGES = ("sft", "dpo")
 
 
 @pytest.fixture(scope="module")
-def straight_run(trained_sft, with_rm, tmp_path_factory):
+def straight_run(trained_sft, tmp_path_factory):
     """``straight_run(stage)``: the repo of an uninterrupted run of ``stage``, run once per module."""
     runs: dict[str, Path] = {}
 
     def get(stage: str) -> Path:
-        if stage == "rm":
-            return with_rm  # trained with the same settings, uninterrupted
         if stage not in runs:
-            root, env = _copy(
-                _source(stage, trained_sft, with_rm), tmp_path_factory.mktemp(f"straight_{stage}"), stage
-            )
+            root, env = _copy(trained_sft, tmp_path_factory.mktemp(f"straight_{stage}"), stage)
             run_cli(root, "run", stage, env=env)
             runs[stage] = root
         return runs[stage]
 
     return get
-
-
-def _source(stage: str, trained_sft: Path, with_rm: Path) -> Path:
-    return with_rm if stage == "rlhf" else trained_sft
 
 
 def _copy(src: Path, dst: Path, stage: str) -> tuple[Path, dict[str, str]]:
@@ -159,11 +141,9 @@ def _kill_chain(root: Path, stage: str, env: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize("stage", list(SETTINGS))
-def test_killed_stage_resumes_to_the_uninterrupted_outputs(
-    stage, straight_run, trained_sft, with_rm, tmp_path
-):
+def test_killed_stage_resumes_to_the_uninterrupted_outputs(stage, straight_run, trained_sft, tmp_path):
     straight = straight_run(stage)
-    root, env = _copy(_source(stage, trained_sft, with_rm), tmp_path, stage)
+    root, env = _copy(trained_sft, tmp_path, stage)
     _kill_chain(root, stage, env)
     weights = "adapter_model.safetensors" if stage in ADAPTER_STAGES else "model.safetensors"
     assert (root / "models" / stage / weights).is_file()
