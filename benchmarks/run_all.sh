@@ -14,6 +14,8 @@ mkdir -p "$here/benchmarks/results"
 if [ -z "${BENCH_SKIP_PIPELINE:-}" ]; then
   echo "==> whole tiny pipeline: dvc repro --force, per-stage times, start-up overhead, no-op repro"
   "$py" "$here/benchmarks/pipeline.py" --workdir "$work/pipeline" --out "$here/benchmarks/results/pipeline.json"
+  echo "==> DVC's own no-op floor: as many trivial stages"
+  PATH="$(dirname "$py"):$PATH" "$py" "$here/benchmarks/dvc_floor.py"
 fi
 
 echo "==> torch threads on the tiny model: 1 vs 2, spinning vs passive OpenMP workers, 0-2 busy neighbours"
