@@ -193,16 +193,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Full garbage collections wait for 1,000 younger ones (Python's default: 10). A stage imports
-# torch, transformers and TRL, about a million objects that live as long as the process; with
-# the default, Python walked them all ~8 times while importing, 0.4-1.1 CPU s of each stage's
-# 4-5 s start-up (benchmarks/RESULTS.md). Young cycles are still collected as often as before.
-FULL_COLLECTION_EVERY = 1000
+def defer_full_collections() -> None:
+    """Full garbage collections wait for 1,000 younger ones (Python's default: 10). A stage imports
+    torch, transformers and TRL, about a million objects that live as long as the process; with
+    the default, Python walked them all ~8 times while importing, 0.4-1.1 CPU s of each stage's
+    4-5 s start-up (benchmarks/RESULTS.md). Young cycles are still collected as often as before."""
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, 1000)
 
 
 def main(argv: list[str] | None = None) -> int:
-    young, middle, _ = gc.get_threshold()
-    gc.set_threshold(young, middle, FULL_COLLECTION_EVERY)
+    defer_full_collections()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

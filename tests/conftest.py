@@ -46,13 +46,13 @@ if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
 # same bits on any x86-64 CPU with AVX2 as what its stage processes compute, and OpenMP workers
 # that sleep while they wait, so a stage run in-process with two threads on a busy machine does
 # not spin (benchmarks/RESULTS.md, "Threads").
-from alignpipe.cli import FULL_COLLECTION_EVERY  # noqa: E402
+from alignpipe.cli import defer_full_collections  # noqa: E402
 from alignpipe.context import set_cpu_env  # noqa: E402
 
 set_cpu_env()
-# Full garbage collections deferred as in a stage process (alignpipe.cli): a test process imports
-# more (torch, transformers, TRL, lm-eval, Ray) and runs stages in it.
-gc.set_threshold(*gc.get_threshold()[:2], FULL_COLLECTION_EVERY)
+# As in a stage process: a test process imports more (torch, transformers, TRL, lm-eval, Ray) and
+# runs stages in it.
+defer_full_collections()
 
 # Fixtures that train: a test that uses one is `slow` whatever its own marks say; one that runs
 # NeMo-RL's runtime code (a process importing NeMo-RL, often with Ray) is `upstream`. The quick
