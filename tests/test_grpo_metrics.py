@@ -3,7 +3,9 @@ advantages as the trainer computes them, metric names, judge mechanics, hacking 
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -229,10 +231,13 @@ def test_trainer_replaces_trl_advantages_with_nemo_rl_ones(monkeypatch, loo, nor
     prompt_mask = torch.tensor([[0, 1, 1]] * 4 + [[1, 1, 1]] * 4)
 
     def fake_parent(self, inputs):  # what TRL computed: must be replaced
+        self._metrics["train"]["reward_std"].append(99.0)
         return {"advantages": torch.full((8,), 99.0), "prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
 
     monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", fake_parent)
     trainer = object.__new__(cls)
+    trainer._metrics = {"train": collections.defaultdict(list)}
+    trainer.model = torch.nn.Linear(1, 1)  # in training mode, as while TRL samples a step
     fn = grpo.RewardFn(lambda *a: [])
     fn.last = rewards
     trainer.reward_funcs = [fn]
@@ -249,6 +254,11 @@ def test_trainer_replaces_trl_advantages_with_nemo_rl_ones(monkeypatch, loo, nor
     )
     want[7] = 0.0  # unknown reward: no signal
     assert torch.allclose(got, want)
+    # TRL's reward_std replaced: in float64 with an IEEE sqrt (torch's float32 CPU sqrt is 1 ULP off
+    # on about one value in seven, and differently on Intel and AMD CPUs).
+    assert trainer._metrics["train"]["reward_std"] == [
+        pytest.approx(statistics.stdev(r for r in rewards if r == r), rel=1e-12)
+    ]
     # Hand check, LOO without normalisation: [1,0,0,0] -> 1 - 0 = 1 and 0 - 1/3.
     if loo and not normalize:
         assert torch.allclose(got[:4], torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))

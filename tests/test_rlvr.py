@@ -113,6 +113,25 @@ def test_validation_leaves_the_trained_policy_unchanged(trained_sft, tmp_path):
     assert not (runs["off"] / "results/rlvr/plots/metrics/val").exists()
 
 
+def test_logged_reward_std_is_exactly_rounded(rlvr_repo):
+    """Each step's reward_std is the sample std of its 0/1 verifier rewards to double precision.
+    TRL's own went through torch.sqrt in float32, which the CPU's approximate reciprocal square
+    root leaves 1 ULP off on about one value in seven, differently on Intel and AMD CPUs: the
+    logged curve then differed between them while every model matched."""
+    import statistics
+
+    import yaml
+
+    grpo = yaml.safe_load((rlvr_repo / "params.yaml").read_text())["rlvr"]["grpo"]
+    n = grpo["num_prompts_per_step"] * grpo["num_generations_per_prompt"]
+    means, stds = curve(rlvr_repo, "rlvr", "train/reward_mean"), curve(rlvr_repo, "rlvr", "train/reward_std")
+    assert len(means) == len(stds) == grpo["max_num_steps"]
+    for mean, std in zip(means, stds, strict=True):
+        right = round(mean * n)
+        assert mean == pytest.approx(right / n, abs=1e-7)  # 0/1 rewards: a count of right answers
+        assert std == pytest.approx(statistics.stdev([1.0] * right + [0.0] * (n - right)), rel=1e-12)
+
+
 # What an operator reads off every GRPO stage's results/<stage>/metrics.json "train" section.
 GRPO_TRAIN_METRICS = (
     "reward_mean",

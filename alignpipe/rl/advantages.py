@@ -19,6 +19,8 @@ Shapes: ``B`` = batch of samples = ``num_groups * G`` when groups are contiguous
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "group_ids_from_size",
     "group_normalized_advantages",
     "leave_one_out_advantages",
+    "reward_std",
     "step_advantages",
 ]
 
@@ -201,6 +204,15 @@ def frac_zero_std_groups(rewards: torch.Tensor, group_size: int) -> float:
         raise ValueError(f"batch size {rewards.numel()} is not a multiple of group size {group_size}")
     zero = grouped.max(dim=1).values == grouped.min(dim=1).values
     return float(zero.float().mean().item())
+
+
+def reward_std(rewards: torch.Tensor) -> float:
+    """The batch's sample std (Bessel), NaN rewards left out, as TRL logs ``reward_std``, with
+    an IEEE-rounded square root. torch's CPU ``sqrt`` is not (1 ULP off on about one value in
+    seven, from the CPU's approximate reciprocal square root), so the logged curve differed
+    between Intel and AMD CPUs."""
+    r = rewards[~rewards.isnan()].double()
+    return math.sqrt(r.var().item()) if r.numel() > 1 else math.nan
 
 
 def expand_to_tokens(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -289,7 +289,7 @@ def make_trainer_class():
 
     from alignpipe.engines.local.trl_seams import check_seams
     from alignpipe.measure.intervals import wilson
-    from alignpipe.rl.advantages import step_advantages
+    from alignpipe.rl.advantages import reward_std, step_advantages
     from alignpipe.rl.policy_gradient import grpo_loss
 
     check_seams(GRPOTrainer, GRPO_SEAMS)
@@ -349,6 +349,8 @@ def make_trainer_class():
             prompt_ids = output["prompt_ids"].masked_fill(output["prompt_mask"] == 0, -1).cpu()
             adv = step_advantages(rewards, prompt_ids, **self.advantage_settings)
             output["advantages"] = adv.to(device=advantages.device, dtype=advantages.dtype)
+            # TRL's own reward_std went through torch.sqrt: the same statistic, exactly rounded.
+            self._metrics["train" if self.model.training else "eval"]["reward_std"][-1] = reward_std(rewards)
             return output
 
         def evaluate(self, *args, **kwargs):
