@@ -285,6 +285,15 @@ def lock_differences(
     return differences
 
 
+def out_hash(lock: str, path: str) -> str | None:
+    """The hash a dvc.lock records for the output at ``path``."""
+    for entry in yaml.safe_load(lock)["stages"].values():
+        for out in entry.get("outs", []):
+            if out["path"] == path:
+                return out["md5"]
+    return None
+
+
 # What decides a trained output's bytes: the CPU kernels that computed it and the torch build
 # (alignpipe/cpu_kernels.py; each artifact.json records them). benchmarks/lock_kernels.json holds
 # those of the run dvc.lock records. Where a run's kernels are the same (any x86-64 CPU with
@@ -296,7 +305,8 @@ LOCK_KERNELS = REPO / "benchmarks" / "lock_kernels.json"
 # Across vendors (benchmarks/RESULTS.md, "CPU kernels" and "torch's sqrt") every model, export,
 # benchmark and evaluate output matched; the GRPO stages' logged curves did not: TRL's reward_std
 # went through torch's CPU sqrt, which rounds by the CPU's approximate instructions. alignpipe now
-# logs it exactly rounded; until an Intel CPU reproduces the AMD-written curves, they stay out.
+# logs it exactly rounded; until an Intel CPU reproduces the AMD-written curves, they stay out
+# of the check, and a mismatch is a warning.
 NOT_YET_PORTABLE = {"results/rlvr", "results/rlhf"}
 
 
@@ -333,6 +343,11 @@ def test_the_pipeline_reproduces_its_lock_and_an_rlhf_experiment_reruns_only_its
     if kernels == locked:
         differences = lock_differences(got, committed, skip_paths=NOT_YET_PORTABLE)
         assert not differences, "dvc.lock is not what the committed run produced:\n" + "\n".join(differences)
+        if curves := sorted(p for p in NOT_YET_PORTABLE if out_hash(got, p) != out_hash(committed, p)):
+            written_on = json.loads(LOCK_KERNELS.read_text())["written_on"]
+            warnings.warn(
+                f"{curves} differ from the lock's, written on {written_on} (NOT_YET_PORTABLE)", stacklevel=1
+            )
     else:  # other kernels: everything but the trained floats, and say so
         warnings.warn(f"trained bytes not compared: kernels {kernels}, the lock's {locked}", stacklevel=1)
         differences = lock_differences(got, committed, skip_outs_of=computing_stages(index))
