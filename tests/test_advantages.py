@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,6 +10,7 @@ from alignpipe.rl.advantages import (
     baseline_and_std_per_group,
     clip_advantages,
     compute_grpo_advantages,
+    exact_sqrt,
     expand_to_tokens,
     frac_zero_std_groups,
     group_ids_from_size,
@@ -63,6 +65,25 @@ def test_leave_one_out_normalized_matches_nemo_rl():
     b, std = baseline_and_std_per_group(r, 4)
     close(b, [0.0, 1 / 3, 1 / 3, 1 / 3])
     close(std, [0.0, s, s, s])
+
+
+def test_group_std_is_exactly_rounded():
+    """The group std scales every normalised advantage: it must be the IEEE-rounded root on any
+    CPU, not torch's CPU float32 sqrt (1 ULP off on about one value in seven, differently by CPU
+    maker). 0.23809524 is the variance of a leave-one-out group of 7 with 2 ones (rlvr's)."""
+    x = torch.cat(
+        [
+            torch.tensor([0.0, 1.0, 0.23809524, 2.0]),
+            torch.rand(100_000, generator=torch.Generator().manual_seed(0)) * 4,
+        ]
+    )
+    exact = torch.from_numpy(np.sqrt(x.numpy().astype(np.float64)).astype(np.float32))
+    assert torch.equal(exact_sqrt(x), exact)
+    ones = [1.0, 1.0] + [0.0] * 6
+    _, std = baseline_and_std_per_group(torch.tensor(ones), 8)  # LOO: 2 ones of 7, or 1 of 7
+    var = torch.tensor([1 / 7, 0.23809524]).double()  # the unbiased variances, exactly
+    want = np.sqrt(var.numpy()).astype(np.float32)
+    assert std[:2].tolist() == [want[0]] * 2 and std[2:].tolist() == [want[1]] * 6
 
 
 def test_leave_one_out_group_of_two():

@@ -28,6 +28,7 @@ __all__ = [
     "baseline_and_std_per_group",
     "clip_advantages",
     "compute_grpo_advantages",
+    "exact_sqrt",
     "expand_to_tokens",
     "frac_zero_std_groups",
     "group_ids_from_size",
@@ -104,7 +105,7 @@ def baseline_and_std_per_group(
         b = (m @ (rg * vg)) / n
         sq = (m @ (rg.pow(2) * vg)) / n
         baseline[idx] = b
-        std[idx] = ((sq - b.square()) * (n / (n - 1))).sqrt().nan_to_num(0)
+        std[idx] = exact_sqrt((sq - b.square()) * (n / (n - 1))).nan_to_num(0)
     return baseline, std
 
 
@@ -208,11 +209,20 @@ def frac_zero_std_groups(rewards: torch.Tensor, group_size: int) -> float:
 
 def reward_std(rewards: torch.Tensor) -> float:
     """The batch's sample std (Bessel), NaN rewards left out, as TRL logs ``reward_std``, with
-    an IEEE-rounded square root. torch's CPU ``sqrt`` is not (1 ULP off on about one value in
-    seven, from the CPU's approximate reciprocal square root), so the logged curve differed
-    between Intel and AMD CPUs."""
+    an IEEE-rounded square root (see :func:`exact_sqrt`): TRL's own differed between Intel and
+    AMD CPUs."""
     r = rewards[~rewards.isnan()].double()
     return math.sqrt(r.var().item()) if r.numel() > 1 else math.nan
+
+
+def exact_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """``x.sqrt()`` rounded as IEEE 754 asks, on any CPU. torch's CPU float32 ``sqrt`` is not: it
+    starts from the CPU's approximate reciprocal square root, so about one value in seven is 1 ULP
+    off, and which ones differs between CPU makers (benchmarks/RESULTS.md, "torch's sqrt"). The
+    float64 root rounded back to float32 is the exactly rounded float32 root (53 >= 2 * 24 + 2)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return x.sqrt()
+    return x.double().sqrt().to(x.dtype)
 
 
 def expand_to_tokens(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
