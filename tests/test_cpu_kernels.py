@@ -87,3 +87,30 @@ def test_a_trained_artifact_records_its_kernels_and_a_copied_one_does_not(tmp_pa
         tmp_path / "b", type="checkpoint_hf", format="hf", stage="convert", engine="local"
     )
     assert trained["cpu_kernels"] == cpu_kernels.chosen() and "cpu_kernels" not in copied
+
+
+def test_local_trainers_take_the_adamw_whose_root_is_exact(tmp_path):
+    """torch's single-tensor AdamW divides by torch.sqrt, whose float32 rounding depends on the CPU
+    maker (benchmarks/RESULTS.md, "torch's sqrt"); its fused CPU AdamW's root is exactly rounded.
+    Every local trainer takes the fused one, whatever ``policy.optimizer.kwargs.fused`` says."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from alignpipe.config import load_params
+    from alignpipe.context import build_context
+    from alignpipe.engines.local.trl_args import trl_common_args
+
+    for stage in ("sft", "rm", "dpo", "rlvr", "rlhf"):
+        ctx = build_context(REPO, stage, params=load_params(REPO))
+        optimizer, kwargs = Trainer.get_optimizer_cls_and_kwargs(
+            TrainingArguments(**trl_common_args(ctx, tmp_path))
+        )
+        assert optimizer is torch.optim.AdamW and kwargs.get("fused") is True, (stage, kwargs)
+    # betas 0 and eps 0: one step is lr * g / sqrt(g * g), exactly -lr * sign(g) where the root is
+    # exactly rounded
+    g = torch.randn(100_000, generator=torch.Generator().manual_seed(0))
+    p = torch.nn.Parameter(torch.zeros_like(g))
+    opt = optimizer([p], lr=1.0, betas=(0.0, 0.0), eps=0.0, weight_decay=0.0, fused=True)
+    p.grad = g
+    opt.step()
+    assert torch.equal(p.detach(), -torch.sign(g))

@@ -296,8 +296,9 @@ LOCK_KERNELS = REPO / "benchmarks" / "lock_kernels.json"
 # Across vendors (benchmarks/RESULTS.md, "CPU kernels" and "torch's sqrt") every model, export,
 # benchmark and evaluate output matched; the GRPO stages' logged curves did not: TRL's reward_std
 # went through torch's CPU sqrt, which rounds by the CPU's approximate instructions. alignpipe now
-# logs it exactly rounded; until an Intel CPU reproduces the AMD-written curves, they stay out
-# of the check, and a mismatch is a warning.
+# takes that root, and rlvr's group std's, exactly rounded (the weights: vendor-free ops only,
+# so checked); until an Intel CPU reproduces the AMD-written curves, they stay out of the check,
+# and a mismatch is a warning.
 NOT_YET_PORTABLE = {"results/rlvr", "results/rlhf"}
 
 

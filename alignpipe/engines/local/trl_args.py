@@ -66,6 +66,7 @@ def trl_common_args(ctx: StageContext, output_dir: Path) -> dict[str, Any]:
     | train_global_batch_size / micro               | gradient_accumulation_steps        |
     | <algo>.val_micro_batch_size (grpo: val_batch_size) | per_device_eval_batch_size    |
     | policy.optimizer.kwargs.{lr,weight_decay,...} | learning_rate, weight_decay, adam_*|
+    | policy.optimizer.kwargs.{foreach,fused}       | not read: optim=adamw_torch_fused  |
     | policy.scheduler (LinearLR, ConstantLR)       | lr_factor (checkpoints.scheduled)  |
     | policy.max_grad_norm (null: 0, no clipping)   | max_grad_norm                      |
     | checkpointing.save_period / keep_top_k        | save_steps / save_total_limit      |
@@ -96,6 +97,10 @@ def trl_common_args(ctx: StageContext, output_dir: Path) -> dict[str, Any]:
         adam_beta1=opt.betas[0],
         adam_beta2=opt.betas[1],
         adam_epsilon=opt.eps,
+        # torch's fused CPU AdamW, whatever optimizer.kwargs.fused says (a kernel, not the math):
+        # its root is exactly rounded; the single-tensor one's goes through torch.sqrt, whose
+        # rounding depends on the CPU maker (benchmarks/RESULTS.md, "torch's sqrt").
+        optim="adamw_torch_fused",
         lr_scheduler_type="constant",  # replaced by NeMo-RL's schedule (checkpoints.scheduled)
         # NeMo-RL's null (no clipping) is HF's 0.
         max_grad_norm=0.0 if policy.max_grad_norm is None else policy.max_grad_norm,
