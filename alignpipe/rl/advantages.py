@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -216,13 +217,15 @@ def reward_std(rewards: torch.Tensor) -> float:
 
 
 def exact_sqrt(x: torch.Tensor) -> torch.Tensor:
-    """``x.sqrt()`` rounded as IEEE 754 asks, on any CPU. torch's CPU float32 ``sqrt`` is not: it
-    starts from the CPU's approximate reciprocal square root, so about one value in seven is 1 ULP
-    off, and which ones differs between CPU makers (benchmarks/RESULTS.md, "torch's sqrt"). The
-    float64 root rounded back to float32 is the exactly rounded float32 root (53 >= 2 * 24 + 2)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    """``x.sqrt()`` rounded as IEEE 754 asks, on any CPU. torch's CPU ``sqrt`` is not, in float32
+    nor float64: MKL's vector math starts from the CPU's approximate reciprocal square root, so
+    some values are 1 ULP off, and which ones differs between CPU makers (benchmarks/RESULTS.md,
+    "torch's sqrt"). numpy's root is the CPU's own square-root instruction, exact on every CPU.
+    Negative inputs give NaN, as ``torch.sqrt``."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or x.requires_grad:
         return x.sqrt()
-    return x.double().sqrt().to(x.dtype)
+    with np.errstate(invalid="ignore"):
+        return torch.from_numpy(np.sqrt(x.numpy()))
 
 
 def expand_to_tokens(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
