@@ -1,5 +1,5 @@
 """Which CPU kernels compute a local stage's floats, pinned so that x86-64 CPUs of either vendor,
-with AVX2 or AVX-512, compute the same bytes (docs/REPRODUCIBILITY.md).
+with AVX2 or AVX-512, compute the same bytes (README.md, "Reproducibility").
 
 Two libraries inside torch's x86-64 wheels pick their kernels by the CPU they run on:
 

@@ -34,7 +34,7 @@ FIXTURE_DIRS = {"tiny-pipeline": "tiny_pipeline", "trained-sft": "trained_sft", 
 
 def module_of(row: dict) -> str:
     """The fixture whose folder the process ran in, else the test module that started it
-    (``tests/test_x.py::test_y[a] (call)`` -> ``test_x``), else ``(no test)``."""
+    (``tests/test_sft.py::test_y[a] (call)`` -> ``test_sft``), else ``(no test)``."""
     for folder, fixture in FIXTURE_DIRS.items():
         if f"/{folder}/" in row.get("cwd", "") + "/":
             return f"(fixture {fixture})"

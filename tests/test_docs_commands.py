@@ -13,12 +13,13 @@ command), and each is checked by the real component that would read it:
 - ``make ...``: targets and variables of the Makefile;
 - ``sed -i 'EXPR' FILE``: run on a copy of FILE, it must change it (the text it replaces is there);
 - every repository path a command names, and every backticked repo path or ``alignpipe.*``
-  module reference in the docs and config comments, exists.
+  module reference in the docs, config comments and code's comments and docstrings, exists.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import functools
 import importlib
@@ -26,6 +27,7 @@ import io
 import re
 import shlex
 import subprocess
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -529,6 +531,46 @@ def module_ref_exists(ref: str) -> bool:
 def test_paths_and_modules_the_docs_cite_exist(path: Path) -> None:
     errors = reference_errors(path.read_text(), str(path.relative_to(REPO)), path.suffix == ".md")
     assert not errors, "\n".join(errors)
+
+
+# Code whose comments and docstrings cite docs and modules (tests/ name missing paths on purpose).
+CODE_GLOBS = (
+    "alignpipe/**/*.py",
+    "stages/**/*.py",
+    "hydra_plugins/**/*.py",
+    "benchmarks/*.py",
+    "benchmarks/*.sh",
+)
+
+
+def comment_text(path: Path) -> str:
+    """The comments and docstrings of a Python file, the comment lines of a shell script: prose,
+    where a path is a citation (code's own strings are paths it builds, f-strings among them)."""
+    text = path.read_text()
+    if path.suffix != ".py":
+        return "\n".join(line for line in text.splitlines() if line.lstrip().startswith("#"))
+    parts = [
+        t.string for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            parts.append(ast.get_docstring(node) or "")
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("path", doc_files(CODE_GLOBS), ids=lambda p: str(p.relative_to(REPO)))
+def test_paths_and_modules_code_comments_cite_exist(path: Path) -> None:
+    errors = reference_errors(comment_text(path), str(path.relative_to(REPO)), markdown=False)
+    assert not errors, "\n".join(errors)
+
+
+def test_code_comments_and_docstrings_are_read_but_not_code(tmp_path: Path) -> None:
+    code = tmp_path / "x.py"
+    code.write_text('"""See docs/NOPE.md."""\nPATH = f"stages/{name}/x.yaml"  # and docs/ALSO_NOPE.md\n')
+    assert sorted(reference_errors(comment_text(code), "x.py", markdown=False)) == [
+        "x.py: docs/ALSO_NOPE.md does not exist",
+        "x.py: docs/NOPE.md does not exist",
+    ]
 
 
 def test_a_missing_reference_is_named() -> None:
