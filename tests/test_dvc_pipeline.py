@@ -259,14 +259,11 @@ def test_stages_run_in_the_directory_dvc_runs_them_in_not_dvc_root(tmp_path: Pat
 # ----------------------------------------------------------------------------- the real pipeline, run
 
 
-def lock_differences(
-    got: str, want: str, *, skip_outs_of: set[str] = frozenset(), skip_paths: set[str] = frozenset()
-) -> list[str]:
+def lock_differences(got: str, want: str, *, skip_outs_of: set[str] = frozenset()) -> list[str]:
     """Stages whose dvc.lock entries differ, each with the paths whose hashes moved. The outputs
-    of ``skip_outs_of`` stages and ``skip_paths`` (and the deps that are those) are left out."""
+    of ``skip_outs_of`` stages (and the deps that are those) are left out."""
     got_stages, want_stages = yaml.safe_load(got)["stages"], yaml.safe_load(want)["stages"]
     skipped = {out["path"] for name in skip_outs_of for out in want_stages.get(name, {}).get("outs", [])}
-    skipped |= set(skip_paths)
 
     def kept(entry: dict) -> dict:
         return {
@@ -293,13 +290,6 @@ def lock_differences(
 # kernel changes (code, params, prepared data, the starting model), and the stage tests and the
 # figures test hold the trained outcomes.
 LOCK_KERNELS = REPO / "benchmarks" / "lock_kernels.json"
-# Across vendors (benchmarks/RESULTS.md, "CPU kernels" and "torch's sqrt") every model, export,
-# benchmark and evaluate output matched; the GRPO stages' logged curves did not: TRL's reward_std
-# went through torch's CPU sqrt, which rounds by the CPU's approximate instructions. alignpipe now
-# takes that root, and rlvr's group std's, exactly rounded (the weights: vendor-free ops only,
-# so checked); until an Intel CPU reproduces the AMD-written curves, they stay out of the check,
-# and a mismatch is a warning.
-NOT_YET_PORTABLE = {"results/rlvr", "results/rlhf"}
 
 
 def run_kernels(root: Path) -> dict:
@@ -333,13 +323,8 @@ def test_the_pipeline_reproduces_its_lock_and_an_rlhf_experiment_reruns_only_its
     got = (tiny_pipeline.root / "dvc.lock").read_text()
     kernels, locked = run_kernels(tiny_pipeline.root), json.loads(LOCK_KERNELS.read_text())["cpu_kernels"]
     if kernels == locked:
-        differences = lock_differences(got, committed, skip_paths=NOT_YET_PORTABLE)
+        differences = lock_differences(got, committed)
         assert not differences, "dvc.lock is not what the committed run produced:\n" + "\n".join(differences)
-        if curves := lock_differences(got, committed):  # all else matched: what is left is NOT_YET_PORTABLE
-            written_on = json.loads(LOCK_KERNELS.read_text())["written_on"]
-            warnings.warn(
-                f"{curves} differ from the lock's, written on {written_on} (NOT_YET_PORTABLE)", stacklevel=1
-            )
     else:  # other kernels: everything but the trained floats, and say so
         warnings.warn(
             f"trained bytes not compared: kernels {kernels}, the lock's {locked}; the figures move as with "
